@@ -1,0 +1,73 @@
+// The Cache interface (Ollama's kvcache.Cache) and its variants. Exact behaviour: SEMANTICS.md.
+//
+// Threading: a cache is used by one thread at a time. Views returned by Get stay valid until the
+// next StartForward, Remove, CopyPrefix or Close on that cache.
+#ifndef KVCACHE_CORE_CACHE_H_
+#define KVCACHE_CORE_CACHE_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "core/status.h"
+#include "core/types.h"
+
+namespace kv {
+
+class Cache {
+ public:
+  virtual ~Cache() = default;
+  virtual Status SetConfig(const CacheConfig& config) = 0;  // before Init only
+  virtual Status Init(DType dtype, int max_sequences, int capacity, int max_batch) = 0;
+  virtual Status StartForward(const Batch& batch, bool reserve) = 0;
+  virtual void SetLayer(int layer) = 0;
+  // key: [k_head_dim, kv_heads, batch], value: [v_head_dim, kv_heads, batch]; f32, f16 or bf16.
+  virtual Status Put(const TensorView& key, const TensorView& value) = 0;
+  // Views valid until the next StartForward, Remove, CopyPrefix or Close.
+  virtual History Get() = 0;
+  virtual Status CopyPrefix(int src_seq, int dst_seq, int32_t len) = 0;
+  virtual bool CanResume(int seq, int32_t pos) const = 0;
+  virtual Status Remove(int seq, int32_t begin, int32_t end) = 0;
+  virtual void Close() = 0;
+
+  // Beyond the seeds (defaults keep hand-written children of a wrapper valid).
+  // Bytes of K/V storage this cache holds now (allocated, not merely reserved by sizing rules).
+  virtual size_t MemoryBytes() const { return 0; }
+};
+
+// The causal family: causal, sliding window, sliding window with memory, chunked attention.
+class CausalCache : public Cache {
+ public:
+  // Batch indices exempt from the causal rule until the next StartForward; rebuilds the mask now.
+  virtual void SetCausal(std::span<const int32_t> except) = 0;
+
+  // Beyond the seeds:
+  // Allocates storage for layers [0, layers) up front in one arena allocation, so that no Put
+  // allocates. Shapes must then match every Put. Call after Init.
+  virtual Status ReserveLayers(int layers, int k_head_dim, int v_head_dim, int kv_heads) = 0;
+  virtual int32_t NumCells() const = 0;  // cells after Init's sizing rules (SEMANTICS.md section 1)
+};
+
+std::unique_ptr<CausalCache> NewCausalCache(ShiftFn shift = nullptr);
+std::unique_ptr<CausalCache> NewSWACache(int32_t window, ShiftFn shift = nullptr);
+std::unique_ptr<CausalCache> NewSWAMemCache(int32_t window, int32_t memory, ShiftFn shift = nullptr);
+std::unique_ptr<CausalCache> NewChunkedAttentionCache(int32_t chunk, ShiftFn shift = nullptr);
+
+class EncoderCache : public Cache {
+ public:
+  virtual bool EncoderCached() const = 0;
+};
+std::unique_ptr<EncoderCache> NewEncoderCache();
+
+class WrapperCache : public Cache {
+ public:
+  virtual void SetLayerType(int type) = 0;  // which child the next Put/Get go to
+  virtual Cache* UnderlyingCache() = 0;     // the child selected now
+};
+std::unique_ptr<WrapperCache> NewWrapperCache(std::vector<std::unique_ptr<Cache>> caches);
+
+}  // namespace kv
+
+#endif  // KVCACHE_CORE_CACHE_H_

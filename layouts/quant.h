@@ -1,0 +1,102 @@
+// The q8_0 and q4_0 block formats and their scalar reference (de)quantizers.
+//
+// Bit-exact with llama.cpp's reference quantizers (ggml-quants.c, quantize_row_q8_0_ref and
+// quantize_row_q4_0_ref), which Ollama's KV caches also use:
+//   q8_0: d = amax / 127, q = roundf(x / d) (round half away from zero), x' = d * q.
+//   q4_0: d = m / -8 where m is the element of largest magnitude (sign kept), q = min(15,
+//         trunc(x / d + 8.5)), element j in the low nibble of byte j and element j + 16 in the high
+//         nibble, x' = d * (q - 8).
+// The scale is computed and applied in f32 from 1/d, but stored as f16; dequantization uses the
+// stored f16 scale, exactly as ggml does. Error bound per element: |x - x'| <= d/2 plus the f16
+// rounding of d (relative 2^-11), i.e. about amax/254 for q8_0 and amax/16 for q4_0.
+#ifndef KVCACHE_LAYOUTS_QUANT_H_
+#define KVCACHE_LAYOUTS_QUANT_H_
+
+#include <cmath>
+#include <cstdint>
+
+#include "layouts/dtype.h"
+
+namespace kv {
+
+struct BlockQ8_0 {
+  uint16_t d;     // f16 scale
+  int8_t qs[32];  // codes
+};
+struct BlockQ4_0 {
+  uint16_t d;      // f16 scale
+  uint8_t qs[16];  // element j: low nibble of qs[j]; element j + 16: high nibble of qs[j]
+};
+static_assert(sizeof(BlockQ8_0) == 34, "q8_0 block is 34 bytes");
+static_assert(sizeof(BlockQ4_0) == 18, "q4_0 block is 18 bytes");
+
+// Quantizes 32 floats into one block.
+inline void QuantizeBlockQ8_0(const float* x, BlockQ8_0* out) {
+  float amax = 0.0f;
+  for (int j = 0; j < 32; ++j) amax = std::fmax(amax, std::fabs(x[j]));
+  const float d = amax / 127.0f;
+  const float id = d != 0.0f ? 1.0f / d : 0.0f;
+  out->d = F32ToF16(d);
+  for (int j = 0; j < 32; ++j) out->qs[j] = static_cast<int8_t>(std::roundf(x[j] * id));
+}
+
+inline void DequantizeBlockQ8_0(const BlockQ8_0* b, float* out) {
+  const float d = F16ToF32(b->d);
+  for (int j = 0; j < 32; ++j) out[j] = d * static_cast<float>(b->qs[j]);
+}
+
+inline void QuantizeBlockQ4_0(const float* x, BlockQ4_0* out) {
+  float amax = 0.0f;
+  float max = 0.0f;
+  for (int j = 0; j < 32; ++j) {
+    if (amax < std::fabs(x[j])) {
+      amax = std::fabs(x[j]);
+      max = x[j];
+    }
+  }
+  const float d = max / -8.0f;
+  const float id = d != 0.0f ? 1.0f / d : 0.0f;
+  out->d = F32ToF16(d);
+  for (int j = 0; j < 16; ++j) {
+    const float x0 = x[j] * id;
+    const float x1 = x[16 + j] * id;
+    const int q0 = static_cast<int8_t>(x0 + 8.5f) < 15 ? static_cast<int8_t>(x0 + 8.5f) : 15;
+    const int q1 = static_cast<int8_t>(x1 + 8.5f) < 15 ? static_cast<int8_t>(x1 + 8.5f) : 15;
+    out->qs[j] = static_cast<uint8_t>(q0 | (q1 << 4));
+  }
+}
+
+inline void DequantizeBlockQ4_0(const BlockQ4_0* b, float* out) {
+  const float d = F16ToF32(b->d);
+  for (int j = 0; j < 16; ++j) {
+    out[j] = d * static_cast<float>((b->qs[j] & 0x0F) - 8);
+    out[j + 16] = d * static_cast<float>((b->qs[j] >> 4) - 8);
+  }
+}
+
+// Converts a contiguous f32 row of n elements to `dst` in any storage dtype (scalar reference).
+// Precondition: n % BlockElems(t) == 0.
+inline void StoreRowFromF32(const float* src, int64_t n, DType t, void* dst) {
+  if (t == DType::kQ8_0) {
+    for (int64_t b = 0; b < n / 32; ++b) QuantizeBlockQ8_0(src + 32 * b, static_cast<BlockQ8_0*>(dst) + b);
+  } else if (t == DType::kQ4_0) {
+    for (int64_t b = 0; b < n / 32; ++b) QuantizeBlockQ4_0(src + 32 * b, static_cast<BlockQ4_0*>(dst) + b);
+  } else {
+    for (int64_t i = 0; i < n; ++i) StoreFromF32(dst, t, i, src[i]);
+  }
+}
+
+// Reads a contiguous row of n elements in any storage dtype as f32 (scalar reference).
+inline void LoadRowAsF32(const void* src, int64_t n, DType t, float* dst) {
+  if (t == DType::kQ8_0) {
+    for (int64_t b = 0; b < n / 32; ++b) DequantizeBlockQ8_0(static_cast<const BlockQ8_0*>(src) + b, dst + 32 * b);
+  } else if (t == DType::kQ4_0) {
+    for (int64_t b = 0; b < n / 32; ++b) DequantizeBlockQ4_0(static_cast<const BlockQ4_0*>(src) + b, dst + 32 * b);
+  } else {
+    for (int64_t i = 0; i < n; ++i) dst[i] = LoadAsF32(src, t, i);
+  }
+}
+
+}  // namespace kv
+
+#endif  // KVCACHE_LAYOUTS_QUANT_H_

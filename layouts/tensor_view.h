@@ -1,0 +1,55 @@
+// TensorView: a non-owning, strided view of up to 4 dimensions, in ggml order (ne[0] is fastest).
+//
+// For quantized dtypes the unit along dim 0 is a block of 32 elements: nb[0] is the bytes of one
+// block and a row of ne[0] elements is its blocks back to back (nb[1] is a row's bytes when the
+// view is contiguous).
+#ifndef KVCACHE_LAYOUTS_TENSOR_VIEW_H_
+#define KVCACHE_LAYOUTS_TENSOR_VIEW_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <initializer_list>
+
+#include "layouts/dtype.h"
+
+namespace kv {
+
+struct TensorView {
+  void* data = nullptr;
+  DType dtype = DType::kF32;
+  int64_t ne[4] = {1, 1, 1, 1};  // elements per dimension
+  size_t nb[4] = {0, 0, 0, 0};   // byte stride per dimension
+};
+
+// A contiguous view of `ne` (1 to 4 dimensions; missing ones are 1). For quantized dtypes ne[0]
+// must be a multiple of 32 (not checked here: views are plain data; consumers validate).
+inline TensorView MakeView(void* data, DType dtype, std::initializer_list<int64_t> ne) {
+  TensorView v;
+  v.data = data;
+  v.dtype = dtype;
+  int i = 0;
+  for (int64_t n : ne) {
+    if (i == 4) break;
+    v.ne[i++] = n;
+  }
+  v.nb[0] = BlockBytes(dtype);
+  v.nb[1] = RowBytes(dtype, v.ne[0]);
+  v.nb[2] = v.nb[1] * static_cast<size_t>(v.ne[1]);
+  v.nb[3] = v.nb[2] * static_cast<size_t>(v.ne[2]);
+  return v;
+}
+
+inline int64_t NumElements(const TensorView& v) { return v.ne[0] * v.ne[1] * v.ne[2] * v.ne[3]; }
+
+// True when dim 0 is packed (elements, or blocks for quantized dtypes, back to back).
+inline bool HasPackedRows(const TensorView& v) { return v.nb[0] == BlockBytes(v.dtype); }
+
+// Address of row (i1, i2, i3), i.e. of element 0 along dim 0.
+inline void* RowPtr(const TensorView& v, int64_t i1, int64_t i2 = 0, int64_t i3 = 0) {
+  return static_cast<char*>(v.data) + static_cast<size_t>(i1) * v.nb[1] +
+         static_cast<size_t>(i2) * v.nb[2] + static_cast<size_t>(i3) * v.nb[3];
+}
+
+}  // namespace kv
+
+#endif  // KVCACHE_LAYOUTS_TENSOR_VIEW_H_
