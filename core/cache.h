@@ -35,6 +35,9 @@ class Cache {
   // Beyond the seeds (defaults keep hand-written children of a wrapper valid).
   // Bytes of K/V storage this cache holds now (allocated, not merely reserved by sizing rules).
   virtual size_t MemoryBytes() const { return 0; }
+  // False when CopyPrefix would return kNotSupported whatever its arguments (a single-sequence
+  // encoder cache). Lets a wrapper refuse CopyPrefix before any child changes.
+  virtual bool SupportsCopyPrefix() const { return true; }
 };
 
 // The causal family: causal, sliding window, sliding window with memory, chunked attention.
@@ -48,11 +51,14 @@ class CausalCache : public Cache {
   // allocates. Shapes must then match every Put. Call after Init.
   virtual Status ReserveLayers(int layers, int k_head_dim, int v_head_dim, int kv_heads) = 0;
   virtual int32_t NumCells() const = 0;  // cells after Init's sizing rules (SEMANTICS.md section 1)
+  // Checks the cell table's invariants by brute force (tests, fuzzers); kCorrupt names a violation.
+  virtual Status CheckConsistency() const = 0;
 };
 
 std::unique_ptr<CausalCache> NewCausalCache(ShiftFn shift = nullptr);
 std::unique_ptr<CausalCache> NewSWACache(int32_t window, ShiftFn shift = nullptr);
-std::unique_ptr<CausalCache> NewSWAMemCache(int32_t window, int32_t memory, ShiftFn shift = nullptr);
+std::unique_ptr<CausalCache> NewSWAMemCache(int32_t window, int32_t memory,
+                                            ShiftFn shift = nullptr);
 std::unique_ptr<CausalCache> NewChunkedAttentionCache(int32_t chunk, ShiftFn shift = nullptr);
 
 class EncoderCache : public Cache {
@@ -61,10 +67,27 @@ class EncoderCache : public Cache {
 };
 std::unique_ptr<EncoderCache> NewEncoderCache();
 
+// Beyond the seeds.
+struct EncoderOptions {
+  // false (as Ollama): one encoder block shared by every sequence; Remove ignores which sequence.
+  // true: one block per sequence, selected by the batch's sequence; every batch must then hold
+  // tokens of one sequence only (else StartForward is kInvalidArgument), and CopyPrefix copies the
+  // source's encoder data when its multimodal position lies inside the prefix.
+  bool per_sequence = false;
+};
+std::unique_ptr<EncoderCache> NewEncoderCache(const EncoderOptions& options);
+
 class WrapperCache : public Cache {
  public:
   virtual void SetLayerType(int type) = 0;  // which child the next Put/Get go to
   virtual Cache* UnderlyingCache() = 0;     // the child selected now
+
+  // Beyond the seeds:
+  virtual int NumChildren() const = 0;
+  virtual Cache* Child(int i) = 0;  // nullptr when i is out of range
+  // MemoryBytes() of each child, in order (MemoryBytes() is their sum): lets a runtime plan memory
+  // per layer type instead of assuming every layer holds a full-context cache.
+  virtual std::vector<size_t> ChildMemoryBytes() const = 0;
 };
 std::unique_ptr<WrapperCache> NewWrapperCache(std::vector<std::unique_ptr<Cache>> caches);
 

@@ -1,0 +1,274 @@
+// Wrapper cache (SEMANTICS.md section 10) against hand-written fake children that record calls.
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/cache.h"
+#include "gtest/gtest.h"
+
+namespace kv {
+namespace {
+
+// A child that logs every call as "<name>.<Call>(args)" into a shared log and fails on demand.
+class FakeCache : public Cache {
+ public:
+  FakeCache(std::string name, std::vector<std::string>* log) : name_(std::move(name)), log_(log) {}
+
+  Code fail_init = Code::kOk;
+  Code fail_start = Code::kOk;
+  Code fail_remove = Code::kOk;
+  Code fail_copy = Code::kOk;
+  bool can_resume = true;
+  bool supports_copy = true;
+  size_t bytes = 0;
+  int puts = 0;
+  History history;  // what Get returns
+
+  Status SetConfig(const CacheConfig& c) override {
+    Log("SetConfig(" + std::to_string(c.padding) + ")");
+    return Status::Ok();
+  }
+  Status Init(DType, int seqs, int cap, int batch) override {
+    Log("Init(" + std::to_string(seqs) + "," + std::to_string(cap) + "," + std::to_string(batch) +
+        ")");
+    return Result(fail_init);
+  }
+  Status StartForward(const Batch& b, bool reserve) override {
+    Log("StartForward(" + std::to_string(b.positions.size()) + (reserve ? ",reserve)" : ")"));
+    return Result(fail_start);
+  }
+  void SetLayer(int layer) override { Log("SetLayer(" + std::to_string(layer) + ")"); }
+  Status Put(const TensorView&, const TensorView&) override {
+    Log("Put");
+    ++puts;
+    return Status::Ok();
+  }
+  History Get() override {
+    Log("Get");
+    return history;
+  }
+  Status CopyPrefix(int src, int dst, int32_t len) override {
+    Log("CopyPrefix(" + std::to_string(src) + "," + std::to_string(dst) + "," +
+        std::to_string(len) + ")");
+    return Result(fail_copy);
+  }
+  bool CanResume(int, int32_t) const override { return can_resume; }
+  Status Remove(int seq, int32_t b, int32_t e) override {
+    Log("Remove(" + std::to_string(seq) + "," + std::to_string(b) + "," +
+        (e == kPosMax ? std::string("end") : std::to_string(e)) + ")");
+    return Result(fail_remove);
+  }
+  void Close() override { Log("Close"); }
+  size_t MemoryBytes() const override { return bytes; }
+  bool SupportsCopyPrefix() const override { return supports_copy; }
+
+ private:
+  void Log(const std::string& s) { log_->push_back(name_ + "." + s); }
+  static Status Result(Code c) {
+    return c == Code::kOk ? Status::Ok() : Status::Error(c, "fake failure");
+  }
+  std::string name_;
+  std::vector<std::string>* log_;
+};
+
+struct Fixture {
+  std::vector<std::string> log;
+  std::vector<FakeCache*> fakes;
+  std::unique_ptr<WrapperCache> wrapper;
+
+  explicit Fixture(int n) {
+    std::vector<std::unique_ptr<Cache>> children;
+    for (int i = 0; i < n; ++i) {
+      auto f = std::make_unique<FakeCache>("c" + std::to_string(i), &log);
+      fakes.push_back(f.get());
+      children.push_back(std::move(f));
+    }
+    wrapper = NewWrapperCache(std::move(children));
+  }
+};
+
+using Log = std::vector<std::string>;
+
+TEST(WrapperCache, FactoryRejectsEmptyOrNullChildren) {
+  EXPECT_EQ(NewWrapperCache({}), nullptr);
+  std::vector<std::unique_ptr<Cache>> with_null;
+  with_null.push_back(nullptr);
+  EXPECT_EQ(NewWrapperCache(std::move(with_null)), nullptr);
+}
+
+TEST(WrapperCache, ConfigInitSetLayerCloseReachEveryChild) {
+  Fixture f(2);
+  CacheConfig cfg;
+  cfg.padding = 4;
+  ASSERT_TRUE(f.wrapper->SetConfig(cfg).ok());
+  ASSERT_TRUE(f.wrapper->Init(DType::kF16, 2, 128, 16).ok());
+  f.wrapper->SetLayer(7);
+  f.wrapper->Close();
+  EXPECT_EQ(f.log,
+            (Log{"c0.SetConfig(4)", "c1.SetConfig(4)", "c0.Init(2,128,16)", "c1.Init(2,128,16)",
+                 "c0.SetLayer(7)", "c1.SetLayer(7)", "c0.Close", "c1.Close"}));
+}
+
+TEST(WrapperCache, InitStopsAtTheFirstError) {
+  Fixture f(3);
+  f.fakes[1]->fail_init = Code::kOutOfMemory;
+  EXPECT_EQ(f.wrapper->Init(DType::kF32, 1, 16, 4).code(), Code::kOutOfMemory);
+  EXPECT_EQ(f.log, (Log{"c0.Init(1,16,4)", "c1.Init(1,16,4)"}));
+}
+
+TEST(WrapperCache, StartForwardUnwindsEarlierChildrenWhenALaterOneIsFull) {
+  Fixture f(3);
+  f.fakes[2]->fail_start = Code::kCacheFull;
+  const int32_t pos[] = {7, 8, 3};
+  const int32_t seq[] = {0, 0, 1};
+  Batch b{pos, seq, {}};
+  EXPECT_EQ(f.wrapper->StartForward(b, false).code(), Code::kCacheFull);
+  // Children 1 then 0 drop every batch token's position to the end of its sequence; the failing
+  // child (which left itself unchanged) is not touched again.
+  EXPECT_EQ(f.log, (Log{"c0.StartForward(3)", "c1.StartForward(3)", "c2.StartForward(3)",
+                        "c1.Remove(0,7,end)", "c1.Remove(0,8,end)", "c1.Remove(1,3,end)",
+                        "c0.Remove(0,7,end)", "c0.Remove(0,8,end)", "c0.Remove(1,3,end)"}));
+}
+
+TEST(WrapperCache, FirstChildFailingNeedsNoUnwind) {
+  Fixture f(2);
+  f.fakes[0]->fail_start = Code::kInvalidArgument;
+  const int32_t pos[] = {0};
+  const int32_t seq[] = {0};
+  EXPECT_EQ(f.wrapper->StartForward(Batch{pos, seq, {}}, false).code(), Code::kInvalidArgument);
+  EXPECT_EQ(f.log, (Log{"c0.StartForward(1)"}));
+}
+
+TEST(WrapperCache, ReservePassIsNotUnwound) {
+  // A reserve pass changes no metadata; removing its positions would delete real tokens.
+  Fixture f(2);
+  f.fakes[1]->fail_start = Code::kCacheFull;
+  const int32_t pos[] = {0, 1};
+  const int32_t seq[] = {0, 0};
+  EXPECT_EQ(f.wrapper->StartForward(Batch{pos, seq, {}}, true).code(), Code::kCacheFull);
+  EXPECT_EQ(f.log, (Log{"c0.StartForward(2,reserve)", "c1.StartForward(2,reserve)"}));
+}
+
+TEST(WrapperCache, LayerTypeRoutesPutAndGet) {
+  Fixture f(2);
+  float a = 1, b = 2;
+  f.fakes[0]->history.k.data = &a;
+  f.fakes[1]->history.k.data = &b;
+  TensorView kv = MakeView(&a, DType::kF32, {1, 1, 1});
+  EXPECT_EQ(f.wrapper->NumChildren(), 2);
+  EXPECT_EQ(f.wrapper->UnderlyingCache(), f.fakes[0]);  // type 0 by default
+  f.wrapper->SetLayerType(1);
+  EXPECT_EQ(f.wrapper->UnderlyingCache(), f.fakes[1]);
+  EXPECT_EQ(f.wrapper->Child(1), f.fakes[1]);
+  EXPECT_EQ(f.wrapper->Child(2), nullptr);
+  ASSERT_TRUE(f.wrapper->Put(kv, kv).ok());
+  EXPECT_EQ(f.wrapper->Get().k.data, &b);
+  EXPECT_EQ(f.fakes[0]->puts, 0);
+  EXPECT_EQ(f.fakes[1]->puts, 1);
+  // StartForward resets the type to 0 (as Ollama).
+  const int32_t pos[] = {0};
+  const int32_t seq[] = {0};
+  ASSERT_TRUE(f.wrapper->StartForward(Batch{pos, seq, {}}, false).ok());
+  EXPECT_EQ(f.wrapper->Get().k.data, &a);
+  // An unknown type selects nothing.
+  f.wrapper->SetLayerType(5);
+  EXPECT_EQ(f.wrapper->UnderlyingCache(), nullptr);
+  EXPECT_EQ(f.wrapper->Put(kv, kv).code(), Code::kInvalidArgument);
+  EXPECT_EQ(f.wrapper->Get().k.data, nullptr);
+}
+
+TEST(WrapperCache, CanResumeIsTheAnd) {
+  Fixture f(3);
+  EXPECT_TRUE(f.wrapper->CanResume(0, 5));
+  f.fakes[1]->can_resume = false;
+  EXPECT_FALSE(f.wrapper->CanResume(0, 5));
+}
+
+TEST(WrapperCache, RemoveStopsAtTheFirstError) {
+  Fixture f(3);
+  ASSERT_TRUE(f.wrapper->Remove(1, 2, 5).ok());
+  f.fakes[1]->fail_remove = Code::kNotSupported;
+  EXPECT_EQ(f.wrapper->Remove(0, 2, 5).code(), Code::kNotSupported);
+  EXPECT_EQ(f.log, (Log{"c0.Remove(1,2,5)", "c1.Remove(1,2,5)", "c2.Remove(1,2,5)",
+                        "c0.Remove(0,2,5)", "c1.Remove(0,2,5)"}));
+}
+
+TEST(WrapperCache, CopyPrefixReachesEveryChildOrNone) {
+  Fixture f(2);
+  ASSERT_TRUE(f.wrapper->CopyPrefix(0, 1, 9).ok());
+  EXPECT_EQ(f.log, (Log{"c0.CopyPrefix(0,1,9)", "c1.CopyPrefix(0,1,9)"}));
+  f.log.clear();
+  // A child that can never copy (a single-sequence encoder) makes the wrapper refuse up front,
+  // wherever it sits, so no child is left half copied.
+  f.fakes[1]->supports_copy = false;
+  EXPECT_FALSE(f.wrapper->SupportsCopyPrefix());
+  EXPECT_EQ(f.wrapper->CopyPrefix(0, 1, 9).code(), Code::kNotSupported);
+  EXPECT_TRUE(f.log.empty());
+  // Any other error stops at the child that reports it.
+  f.fakes[1]->supports_copy = true;
+  f.fakes[0]->fail_copy = Code::kInvalidArgument;
+  EXPECT_EQ(f.wrapper->CopyPrefix(0, 9, 9).code(), Code::kInvalidArgument);
+  EXPECT_EQ(f.log, (Log{"c0.CopyPrefix(0,9,9)"}));
+}
+
+TEST(WrapperCache, CopyPrefixWithRealEncoders) {
+  std::vector<std::unique_ptr<Cache>> single;
+  single.push_back(NewEncoderCache());
+  auto w = NewWrapperCache(std::move(single));
+  ASSERT_TRUE(w->Init(DType::kF32, 1, 16, 4).ok());
+  EXPECT_EQ(w->CopyPrefix(0, 0, 4).code(), Code::kNotSupported);
+
+  std::vector<std::unique_ptr<Cache>> per_seq;
+  per_seq.push_back(NewEncoderCache(EncoderOptions{.per_sequence = true}));
+  auto w2 = NewWrapperCache(std::move(per_seq));
+  ASSERT_TRUE(w2->Init(DType::kF32, 2, 16, 4).ok());
+  EXPECT_TRUE(w2->CopyPrefix(0, 1, 4).ok());
+}
+
+TEST(WrapperCache, MemoryIsReportedPerChild) {
+  Fixture f(3);
+  f.fakes[0]->bytes = 1000;
+  f.fakes[1]->bytes = 24;
+  f.fakes[2]->bytes = 0;
+  EXPECT_EQ(f.wrapper->MemoryBytes(), 1024u);
+  EXPECT_EQ(f.wrapper->ChildMemoryBytes(), (std::vector<size_t>{1000, 24, 0}));
+}
+
+TEST(WrapperCache, UnwindLeavesARealEncoderChildConsistent) {
+  // Encoder first, then a child that reports kCacheFull: the unwind's Remove calls reach the
+  // encoder; its image (at position 2, before the failed batch) stays cached.
+  std::vector<std::string> log;
+  std::vector<std::unique_ptr<Cache>> children;
+  children.push_back(NewEncoderCache());
+  auto fake = std::make_unique<FakeCache>("full", &log);
+  FakeCache* full = fake.get();
+  children.push_back(std::move(fake));
+  auto w = NewWrapperCache(std::move(children));
+  ASSERT_TRUE(w->Init(DType::kF32, 1, 64, 8).ok());
+  auto* enc = static_cast<EncoderCache*>(w->Child(0));
+
+  const int32_t pos0[] = {0, 1, 2, 3};
+  const int32_t seq0[] = {0, 0, 0, 0};
+  const int32_t mm0[] = {2};
+  ASSERT_TRUE(w->StartForward(Batch{pos0, seq0, mm0}, false).ok());
+  std::vector<float> img(8, 1.0f);
+  TensorView t = MakeView(img.data(), DType::kF32, {4, 1, 2});
+  w->SetLayer(0);
+  w->SetLayerType(0);
+  ASSERT_TRUE(w->Put(t, t).ok());
+  EXPECT_TRUE(enc->EncoderCached());
+
+  full->fail_start = Code::kCacheFull;
+  const int32_t pos1[] = {4, 5};
+  const int32_t seq1[] = {0, 0};
+  EXPECT_EQ(w->StartForward(Batch{pos1, seq1, {}}, false).code(), Code::kCacheFull);
+  EXPECT_TRUE(enc->EncoderCached());
+  // A failed batch that rewound over the image does invalidate it (the image token is gone).
+  const int32_t pos2[] = {2, 3};
+  EXPECT_EQ(w->StartForward(Batch{pos2, seq1, {}}, false).code(), Code::kCacheFull);
+  EXPECT_FALSE(enc->EncoderCached());
+}
+
+}  // namespace
+}  // namespace kv
