@@ -139,6 +139,12 @@ inline size_t SequenceRowOffset(const SequenceBlockLayout& l, int32_t b, int32_t
          static_cast<size_t>(t) * l.row_stride;
 }
 
+// Bytes of `count` consecutive tokens of one (b, h), padding included: the run starting at
+// SequenceRowOffset(l, b, h, t) is one memmove of this many bytes (rows of a head are back to back).
+inline size_t SequenceRunBytes(const SequenceBlockLayout& l, int32_t count) {
+  return static_cast<size_t>(count) * l.row_stride;
+}
+
 // View of tokens [first, first + n) of every (b, h): ne = {D, n, H, B}.
 inline TensorView SequenceBlockView(const SequenceBlockLayout& l, void* block, int32_t first, int32_t n) {
   TensorView v;
