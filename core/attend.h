@@ -3,14 +3,16 @@
 #define KVCACHE_CORE_ATTEND_H_
 
 #include "core/status.h"
+#include "core/thread_pool.h"
 #include "core/types.h"
 
 namespace kv {
 
 struct AttentionParams {
-  float scale = 0;                // 0: 1/sqrt(head_dim)
-  float softcap = 0;              // 0: none; else logits = softcap * tanh(logits / softcap)
-  const float* sinks = nullptr;   // optional per-query-head sink logit, added to the softmax denominator
+  float scale = 0;    // 0: 1/sqrt(head_dim)
+  float softcap = 0;  // 0: none; else logits = softcap * tanh(logits / softcap)
+  const float* sinks =
+      nullptr;  // optional per-query-head sink logit, added to the softmax denominator
 };
 
 // q: [head_dim, B, n_heads] f32; out: [v_head_dim, B, n_heads] f32; n_heads a multiple of kv_heads
@@ -18,7 +20,28 @@ struct AttentionParams {
 // layout (plain when v.ne[2] == k.ne[2], permuted when v.ne[0] == k.ne[2]); logits = scale * q.k,
 // then softcap, then + mask; cells masked -inf contribute nothing; a row with no visible cell (and
 // no sink) outputs 0.
-Status Attend(const TensorView& q, const History& history, const AttentionParams& params, TensorView* out);
+//
+// Accepted views (kInvalidArgument otherwise, kNotSupported for the combinations noted):
+//   q   [D, B, Hq] f32, dim 0 packed; out [Dv, B, Hq] f32, dim 0 packed; other strides free.
+//   k   [D, Hkv, L], rows packed along dim 0, nb[1] (head stride) and nb[2] (cell stride) free. A
+//       growing/rotating cache's [D, T, H, B] view is passed per batch entry as ne = {D, H, T},
+//       nb = {nb[0], head stride, token stride}.
+//   v   same dtype as k (else kNotSupported); plain [Dv, Hkv, L] like k, or permuted [L, Dv, Hkv]
+//       with cells packed (float dtypes only). When the shape fits both (L == Hkv == Dv), v is
+//       plain iff its strides equal k's.
+//   mask [L, B] f32 or f16, dim 0 packed, or data == nullptr (all visible).
+//   D, Dv <= 512; quantized: D and Dv multiples of 32. L == 0 gives zeros.
+// This overload runs on the calling thread only.
+Status Attend(const TensorView& q, const History& history, const AttentionParams& params,
+              TensorView* out);
+
+// Splits the work with a caller-supplied parallel-for (a runtime's own pool).
+Status Attend(const TensorView& q, const History& history, const AttentionParams& params,
+              TensorView* out, const ParallelFor& parallel);
+
+// Splits the work over `pool` (nullptr: the calling thread only).
+Status Attend(const TensorView& q, const History& history, const AttentionParams& params,
+              TensorView* out, ThreadPool* pool);
 
 }  // namespace kv
 

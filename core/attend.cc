@@ -1,0 +1,113 @@
+// Attend: validates q, the History and out, resolves the parameters, and runs kernels/attention.
+#include "core/attend.h"
+
+#include <cmath>
+
+#include "kernels/attention.h"
+
+namespace kv {
+namespace {
+
+Status Invalid(const char* what) {
+  return Status::Error(Code::kInvalidArgument, "Attend: %s", what);
+}
+
+bool Is3D(const TensorView& t) { return t.ne[3] == 1; }
+
+Status Validate(const TensorView& q, const History& h, const AttentionParams& params,
+                const TensorView* out, bool* v_permuted) {
+  const TensorView& k = h.k;
+  const TensorView& v = h.v;
+  const TensorView& mask = h.mask;
+  if (out == nullptr) return Invalid("out is null");
+  if (q.dtype != DType::kF32 || q.nb[0] != 4) return Invalid("q must be f32 with dim 0 packed");
+  if (out->dtype != DType::kF32 || out->nb[0] != 4)
+    return Invalid("out must be f32 with dim 0 packed");
+  if (!Is3D(q) || !Is3D(k) || !Is3D(v) || !Is3D(*out)) return Invalid("views must have ne[3] == 1");
+  if (!IsValidDType(k.dtype) || !IsValidDType(v.dtype)) return Invalid("invalid K/V dtype");
+  const int64_t D = q.ne[0], B = q.ne[1], Hq = q.ne[2];
+  const int64_t Hkv = k.ne[1], L = k.ne[2];
+  if (D < 1 || B < 0 || Hq < 1) return Invalid("q shape must be [head_dim >= 1, B, n_heads >= 1]");
+  if (k.ne[0] != D) {
+    return Status::Error(Code::kInvalidArgument, "Attend: k head_dim %lld != q head_dim %lld",
+                         static_cast<long long>(k.ne[0]), static_cast<long long>(D));
+  }
+  if (Hkv < 1 || L < 0) return Invalid("k shape must be [head_dim, kv_heads >= 1, L]");
+  if (Hq % Hkv != 0) {
+    return Status::Error(Code::kInvalidArgument,
+                         "Attend: n_heads %lld not a multiple of kv_heads %lld",
+                         static_cast<long long>(Hq), static_cast<long long>(Hkv));
+  }
+  if (!HasPackedRows(k)) return Invalid("k rows must be packed along dim 0");
+  if (v.dtype != k.dtype)
+    return Status::Error(Code::kNotSupported, "Attend: K and V dtypes differ");
+  const bool fits_plain = v.ne[1] == Hkv && v.ne[2] == L;
+  const bool fits_perm = v.ne[0] == L && v.ne[2] == Hkv;
+  if (!fits_plain && !fits_perm) {
+    return Invalid("v must be [v_head_dim, kv_heads, L] or permuted [L, v_head_dim, kv_heads]");
+  }
+  bool perm = !fits_plain;
+  if (fits_plain && fits_perm) perm = !(v.nb[1] == k.nb[1] && v.nb[2] == k.nb[2]);
+  const int64_t Dv = perm ? v.ne[1] : v.ne[0];
+  if (Dv < 1) return Invalid("v_head_dim must be >= 1");
+  if (perm && IsQuantized(v.dtype)) {
+    return Status::Error(Code::kNotSupported, "Attend: permuted V must be f32, f16 or bf16");
+  }
+  if (v.nb[0] != BlockBytes(v.dtype)) return Invalid("v must be packed along dim 0");
+  if (D > kernels::kAttentionMaxHeadDim || Dv > kernels::kAttentionMaxHeadDim) {
+    return Status::Error(Code::kNotSupported, "Attend: head_dim above %lld",
+                         static_cast<long long>(kernels::kAttentionMaxHeadDim));
+  }
+  if (IsQuantized(k.dtype) && (D % kQuantBlockElems != 0 || Dv % kQuantBlockElems != 0)) {
+    return Invalid("quantized K/V need head dims that are multiples of 32");
+  }
+  if (out->ne[0] != Dv || out->ne[1] != B || out->ne[2] != Hq) {
+    return Invalid("out must be [v_head_dim, B, n_heads]");
+  }
+  if (mask.data != nullptr) {
+    if (mask.dtype != DType::kF32 && mask.dtype != DType::kF16)
+      return Invalid("mask must be f32 or f16");
+    if (mask.nb[0] != BlockBytes(mask.dtype)) return Invalid("mask must be packed along dim 0");
+    if (mask.ne[0] != L || mask.ne[1] != B) return Invalid("mask must be [L, B]");
+  }
+  const bool empty = L == 0 || B == 0;
+  if (B > 0 && (q.data == nullptr || out->data == nullptr)) return Invalid("q or out data is null");
+  if (!empty && (k.data == nullptr || v.data == nullptr)) return Invalid("k or v data is null");
+  if (!std::isfinite(params.scale)) return Invalid("scale must be finite");
+  if (!std::isfinite(params.softcap) || params.softcap < 0) return Invalid("softcap must be >= 0");
+  *v_permuted = perm;
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status Attend(const TensorView& q, const History& history, const AttentionParams& params,
+              TensorView* out, const ParallelFor& parallel) {
+  bool perm = false;
+  KV_RETURN_IF_ERROR(Validate(q, history, params, out, &perm));
+  if (q.ne[1] == 0) return Status::Ok();
+  kernels::AttentionKernelParams kp;
+  kp.scale = params.scale != 0 ? params.scale : 1.0f / std::sqrt(static_cast<float>(q.ne[0]));
+  kp.softcap = params.softcap;
+  kp.sinks = params.sinks;
+  kp.v_permuted = perm;
+  kernels::ParallelForFn pf;
+  pf.run = parallel.run;
+  pf.user = parallel.user;
+  pf.num_threads = parallel.num_threads;
+  kernels::Attention(q, history.k, history.v, history.mask, kp, pf, out);
+  return Status::Ok();
+}
+
+Status Attend(const TensorView& q, const History& history, const AttentionParams& params,
+              TensorView* out) {
+  return Attend(q, history, params, out, ParallelFor{});
+}
+
+Status Attend(const TensorView& q, const History& history, const AttentionParams& params,
+              TensorView* out, ThreadPool* pool) {
+  if (pool == nullptr) return Attend(q, history, params, out, ParallelFor{});
+  return Attend(q, history, params, out, pool->AsParallelFor());
+}
+
+}  // namespace kv

@@ -1,0 +1,833 @@
+// Highway translation unit of the attention kernel (kernels/attention.h has the contract, the
+// shapes and the memory-traffic derivation of each mode).
+//
+// Decode: task = (KV head, chunk of cells). Inside a task the chunk is walked in blocks of 128
+// cells; for each batch row, the row's visible spans (found once per row before the tasks start)
+// are intersected with the block, and for each visible piece the K rows are converted in registers
+// once and dotted with up to 8 query heads of the group at a time; then one online-softmax update
+// per head and one pass over the V rows with the heads' accumulators. Each task leaves (m, l, acc)
+// partials; a merge combines the chunks, adds the sink and divides.
+// Prefill: task = (KV head, tile of batch rows). K tiles of 4 vectors' worth of cells are converted
+// (and transposed) into f32 once, V tiles likewise, and every query row of the tile (rows x heads
+// of the group) runs register-blocked 4 x 4-vector FMA kernels over them with no horizontal sums.
+#include "kernels/attention.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+#include "layouts/quant.h"
+
+#ifndef KVCACHE_KERNELS_ATTENTION_SHARED_
+#define KVCACHE_KERNELS_ATTENTION_SHARED_
+#include "hwy/aligned_allocator.h"
+
+namespace kv::kernels {
+namespace attn {
+
+inline constexpr int64_t kBlockCells = 128;  // decode: cells per online-softmax update
+inline constexpr int64_t kMaxPass = 8;       // decode: query heads served by one K row load
+inline constexpr int64_t kRowPad = 16;       // row padding (floats) valid for every target
+
+constexpr int64_t Pad(int64_t n) { return (n + kRowPad - 1) / kRowPad * kRowPad; }
+
+struct Ctx {
+  TensorView q, k, v, mask, out;
+  AttentionKernelParams p;
+  int64_t D, Dv, Hkv, L, B, Hq, G;
+  int64_t Dp, Dvp;  // padded to kRowPad
+  // decode
+  const int32_t* spans = nullptr;  // pairs [start, end) of visible cells, per row
+  const int64_t* span_off =
+      nullptr;  // row b's pairs: spans[2 * span_off[b] .. 2 * span_off[b + 1])
+  int64_t n_chunks = 1, chunk = 0;
+  float* partials = nullptr;  // [Hkv * n_chunks][B][G][Dvp + kRowPad]: acc, then m, l
+  // prefill
+  const int32_t* row_lo = nullptr;  // first visible cell of row b (L when none)
+  const int32_t* row_hi = nullptr;  // last visible cell + 1 (0 when none)
+  int64_t q_tile = 1, n_qtiles = 1;
+};
+
+inline int64_t PartialStride(const Ctx& c) { return c.Dvp + kRowPad; }
+
+// One 64-byte-aligned float buffer per thread, grown to the largest size asked for.
+inline float* ThreadScratch(size_t floats, int which) {
+  thread_local hwy::AlignedFreeUniquePtr<float[]> buf[2];
+  thread_local size_t cap[2] = {0, 0};
+  if (cap[which] < floats) {
+    buf[which] = hwy::AllocateAligned<float>(floats);
+    cap[which] = floats;
+  }
+  return buf[which].get();
+}
+
+inline float MaskValue(const TensorView& mask, int64_t b, int64_t j) {
+  const char* p = static_cast<const char*>(mask.data) + static_cast<size_t>(b) * mask.nb[1] +
+                  static_cast<size_t>(j) * mask.nb[0];
+  if (mask.dtype == DType::kF16) {
+    uint16_t h;
+    std::memcpy(&h, p, 2);
+    return F16ToF32(h);
+  }
+  float f;
+  std::memcpy(&f, p, 4);
+  return f;
+}
+
+// f16 scale of a quantized block to f32: exact for zero, subnormal and normal values (the bits are
+// placed as an f32 with the exponent rebias done by one multiply); inf/NaN take the slow path.
+inline float F16ScaleToF32(uint16_t h) {
+  if ((h & 0x7C00u) == 0x7C00u) return F16ToF32(h);
+  const uint32_t bits =
+      (static_cast<uint32_t>(h & 0x8000u) << 16) | (static_cast<uint32_t>(h & 0x7FFFu) << 13);
+  return F32FromBits(bits) * 0x1p112f;
+}
+
+}  // namespace attn
+}  // namespace kv::kernels
+#endif  // KVCACHE_KERNELS_ATTENTION_SHARED_
+
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "kernels/attention.cc"
+// clang-format off
+#include "hwy/foreach_target.h"  // IWYU pragma: keep
+#include "hwy/highway.h"
+#include "hwy/contrib/math/math-inl.h"
+// clang-format on
+
+HWY_BEFORE_NAMESPACE();
+namespace kv::kernels {
+namespace HWY_NAMESPACE {
+namespace hn = hwy::HWY_NAMESPACE;
+using attn::Ctx;
+using attn::kBlockCells;
+using attn::kMaxPass;
+using attn::kRowPad;
+
+using DF = hn::ScalableTag<float>;
+using VF = hn::Vec<DF>;
+constexpr size_t kN = hn::MaxLanes(DF());
+static_assert(32 % kN == 0, "a vector never straddles a quantized block");
+
+// ---- loading a run of elements of one row as f32 ----------------------------------------------
+
+// Elements [i, i + kN) of a float-typed row. Precondition: i + kN <= row length.
+template <DType T>
+HWY_INLINE VF LoadFloat(DF df, const void* row, int64_t i) {
+  if constexpr (T == DType::kF32) {
+    return hn::LoadU(df, static_cast<const float*>(row) + i);
+  } else if constexpr (T == DType::kF16) {
+    const hn::Rebind<hwy::float16_t, DF> dh;
+    return hn::PromoteTo(df, hn::LoadU(dh, static_cast<const hwy::float16_t*>(row) + i));
+  } else {
+    const hn::Rebind<hwy::bfloat16_t, DF> db;
+    return hn::PromoteTo(df, hn::LoadU(db, static_cast<const hwy::bfloat16_t*>(row) + i));
+  }
+}
+
+// The last n < kN elements starting at i, zero-filled, without reading past the row.
+template <DType T>
+HWY_INLINE VF LoadFloatTail(DF df, const void* row, int64_t i, int64_t n) {
+  HWY_ALIGN float buf[kN] = {};
+  for (int64_t t = 0; t < n; ++t) buf[t] = LoadAsF32(row, T, i + t);
+  return hn::Load(df, buf);
+}
+
+// Codes of elements [i, i + kN) of a quantized row as f32 (not yet scaled). i % kN == 0.
+template <DType T>
+HWY_INLINE VF LoadCodes(DF df, const void* row, int64_t i) {
+  const hn::Rebind<int32_t, DF> di;
+  const int64_t blk = i / 32;
+  const int64_t w = i % 32;
+  if constexpr (T == DType::kQ8_0) {
+    const auto* b = static_cast<const BlockQ8_0*>(row) + blk;
+    const hn::Rebind<int8_t, DF> d8;
+    return hn::ConvertTo(df, hn::PromoteTo(di, hn::LoadU(d8, b->qs + w)));
+  } else {
+    const auto* b = static_cast<const BlockQ4_0*>(row) + blk;
+    const hn::Rebind<uint8_t, DF> du8;
+    const hn::Rebind<uint32_t, DF> du;
+    const auto bytes = hn::PromoteTo(du, hn::LoadU(du8, b->qs + (w & 15)));
+    const auto nib = w < 16 ? hn::And(bytes, hn::Set(du, 15u)) : hn::ShiftRight<4>(bytes);
+    return hn::ConvertTo(df, hn::Sub(hn::BitCast(di, nib), hn::Set(di, 8)));
+  }
+}
+
+template <DType T>
+HWY_INLINE float BlockScale(const void* row, int64_t blk) {
+  if constexpr (T == DType::kQ8_0) {
+    return attn::F16ScaleToF32(static_cast<const BlockQ8_0*>(row)[blk].d);
+  } else {
+    return attn::F16ScaleToF32(static_cast<const BlockQ4_0*>(row)[blk].d);
+  }
+}
+
+// ---- decode
+// --------------------------------------------------------------------------------------
+
+// s[g] = dot(krow, qs + g * Dp) for kG heads; K converted once per vector, used by every head.
+template <DType T, int kG>
+HWY_INLINE void DotHeads(DF df, const void* krow, const float* qs, int64_t Dp, int64_t D, float* s,
+                         int64_t s_stride) {
+  VF acc[kG];
+  for (int g = 0; g < kG; ++g) acc[g] = hn::Zero(df);
+  if constexpr (IsQuantized(T)) {
+    for (int64_t blk = 0; blk < D / 32; ++blk) {
+      const VF scale = hn::Set(df, BlockScale<T>(krow, blk));
+      for (int64_t w = 0; w < 32; w += kN) {
+        const int64_t i = blk * 32 + w;
+        const VF kv = hn::Mul(LoadCodes<T>(df, krow, i), scale);
+        for (int g = 0; g < kG; ++g)
+          acc[g] = hn::MulAdd(hn::LoadU(df, qs + g * Dp + i), kv, acc[g]);
+      }
+    }
+  } else {
+    int64_t i = 0;
+    for (; i + static_cast<int64_t>(kN) <= D; i += kN) {
+      const VF kv = LoadFloat<T>(df, krow, i);
+      for (int g = 0; g < kG; ++g) acc[g] = hn::MulAdd(hn::LoadU(df, qs + g * Dp + i), kv, acc[g]);
+    }
+    if (i < D) {
+      const VF kv = LoadFloatTail<T>(df, krow, i, D - i);
+      for (int g = 0; g < kG; ++g) acc[g] = hn::MulAdd(hn::LoadU(df, qs + g * Dp + i), kv, acc[g]);
+    }
+  }
+  for (int g = 0; g < kG; ++g) s[g * s_stride] = hn::GetLane(hn::SumOfLanes(df, acc[g]));
+}
+
+// acc[g][0..Dv) += sum_j p[g][j] * V[j] for n plain V rows starting at vrow0, `vstride` apart.
+// Dimension chunks outside, cells inside, so each head's accumulator chunk stays in a register.
+template <DType T, int kG>
+HWY_INLINE void AccumPlain(DF df, const char* vrow0, size_t vstride, int64_t n, int64_t Dv,
+                           const float* p, int64_t p_stride, float* acc, int64_t acc_stride) {
+  for (int64_t i = 0; i < Dv; i += kN) {
+    const bool tail = i + static_cast<int64_t>(kN) > Dv;  // float dtypes only: acc is padded
+    VF a[kG];
+    for (int g = 0; g < kG; ++g) a[g] = hn::Load(df, acc + g * acc_stride + i);
+    if constexpr (IsQuantized(T)) {
+      const int64_t blk = i / 32;
+      for (int64_t j = 0; j < n; ++j) {
+        const char* vr = vrow0 + static_cast<size_t>(j) * vstride;
+        const VF vv = hn::Mul(LoadCodes<T>(df, vr, i), hn::Set(df, BlockScale<T>(vr, blk)));
+        for (int g = 0; g < kG; ++g) a[g] = hn::MulAdd(hn::Set(df, p[g * p_stride + j]), vv, a[g]);
+      }
+    } else {
+      for (int64_t j = 0; j < n; ++j) {
+        const char* vr = vrow0 + static_cast<size_t>(j) * vstride;
+        const VF vv = tail ? LoadFloatTail<T>(df, vr, i, Dv - i) : LoadFloat<T>(df, vr, i);
+        for (int g = 0; g < kG; ++g) a[g] = hn::MulAdd(hn::Set(df, p[g * p_stride + j]), vv, a[g]);
+      }
+    }
+    for (int g = 0; g < kG; ++g) hn::Store(a[g], df, acc + g * acc_stride + i);
+  }
+}
+
+// Permuted V (cells fastest): acc[g][d] += dot(p[g][0..n), V[d][c0..c0+n)).
+template <DType T, int kG>
+HWY_INLINE void AccumPermuted(DF df, const char* vhead, size_t dim_stride, int64_t c0, int64_t n,
+                              int64_t Dv, const float* p, int64_t p_stride, float* acc,
+                              int64_t acc_stride) {
+  constexpr size_t kElem = BlockBytes(T);
+  for (int64_t d = 0; d < Dv; ++d) {
+    const char* line =
+        vhead + static_cast<size_t>(d) * dim_stride + static_cast<size_t>(c0) * kElem;
+    VF a[kG];
+    for (int g = 0; g < kG; ++g) a[g] = hn::Zero(df);
+    int64_t j = 0;
+    for (; j + static_cast<int64_t>(kN) <= n; j += kN) {
+      const VF vv = LoadFloat<T>(df, line, j);
+      for (int g = 0; g < kG; ++g) a[g] = hn::MulAdd(hn::LoadU(df, p + g * p_stride + j), vv, a[g]);
+    }
+    if (j < n) {
+      const VF vv = LoadFloatTail<T>(df, line, j, n - j);
+      for (int g = 0; g < kG; ++g) a[g] = hn::MulAdd(hn::LoadU(df, p + g * p_stride + j), vv, a[g]);
+    }
+    for (int g = 0; g < kG; ++g) acc[g * acc_stride + d] += hn::GetLane(hn::SumOfLanes(df, a[g]));
+  }
+}
+
+// Softcap (optional) and mask on n scores of one head.
+HWY_INLINE void ShapeScores(DF df, const Ctx& c, int64_t b, int64_t c0, int64_t n, float* s) {
+  if (c.p.softcap != 0) {
+    const VF cap = hn::Set(df, c.p.softcap);
+    const VF inv = hn::Set(df, 1.0f / c.p.softcap);
+    for (int64_t j = 0; j < n; j += kN) {
+      const VF x = hn::Load(df, s + j);
+      hn::Store(hn::Mul(cap, hn::Tanh(df, hn::Mul(x, inv))), df, s + j);
+    }
+  }
+  if (c.mask.data != nullptr) {
+    // Visible cells carry 0 in the caches' masks; other finite values are honoured.
+    for (int64_t j = 0; j < n; ++j) s[j] += attn::MaskValue(c.mask, b, c0 + j);
+  }
+}
+
+// One online-softmax step for one head over n scores: turns s into p, rescales the state.
+// state: acc[0..Dvp), then m at [Dvp], l at [Dvp + 1]. Precondition: n >= 1, all s finite.
+HWY_INLINE void SoftmaxStep(DF df, int64_t n, int64_t Dvp, float* s, float* state) {
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  VF vmax = hn::Set(df, neg_inf);
+  int64_t j = 0;
+  for (; j + static_cast<int64_t>(kN) <= n; j += kN) vmax = hn::Max(vmax, hn::Load(df, s + j));
+  float m_blk = hn::GetLane(hn::MaxOfLanes(df, vmax));
+  for (; j < n; ++j) m_blk = std::max(m_blk, s[j]);
+  const float m_old = state[Dvp];
+  const float m_new = std::max(m_old, m_blk);
+  const VF vm = hn::Set(df, m_new);
+  const VF vlow = hn::Set(df, -std::numeric_limits<float>::max());
+  VF vsum = hn::Zero(df);
+  for (j = 0; j < n; j += kN) {
+    // Clamped: Exp is valid on [-FLT_MAX, 104]; a difference of extreme logits may reach -inf.
+    VF e = hn::Exp(df, hn::Max(hn::Sub(hn::Load(df, s + j), vm), vlow));
+    if (j + static_cast<int64_t>(kN) > n) e = hn::IfThenElseZero(hn::FirstN(df, n - j), e);
+    vsum = hn::Add(vsum, e);
+    hn::Store(e, df, s + j);
+  }
+  const float sum = hn::GetLane(hn::SumOfLanes(df, vsum));
+  if (m_new != m_old) {
+    const float alpha = std::exp(m_old - m_new);  // 0 on the first visible cell (m_old = -inf)
+    const VF va = hn::Set(df, alpha);
+    for (int64_t i = 0; i < Dvp; i += kN) {
+      hn::Store(hn::Mul(hn::Load(df, state + i), va), df, state + i);
+    }
+    state[Dvp + 1] *= alpha;
+  }
+  state[Dvp] = m_new;
+  state[Dvp + 1] += sum;
+}
+
+// Cells [c0, c0 + n) (all visible to row b) for heads g0 .. g0 + kG of KV head h.
+template <DType T, bool kPermV, int kG>
+HWY_NOINLINE void DecodeCells(const Ctx& c, int64_t h, int64_t b, int64_t g0, int64_t c0, int64_t n,
+                              const float* qs, float* rows) {
+  const DF df;
+  HWY_ALIGN float s[kG][kBlockCells + kRowPad];
+  const char* kbase = static_cast<const char*>(c.k.data) + static_cast<size_t>(h) * c.k.nb[1];
+  for (int64_t j = 0; j < n; ++j) {
+    DotHeads<T, kG>(df, kbase + static_cast<size_t>(c0 + j) * c.k.nb[2], qs + g0 * c.Dp, c.Dp, c.D,
+                    &s[0][j], kBlockCells + kRowPad);
+  }
+  const int64_t rs = attn::PartialStride(c);
+  float* state = rows + g0 * rs;
+  for (int g = 0; g < kG; ++g) {
+    for (int64_t j = n; j < static_cast<int64_t>(attn::Pad(n)); ++j) s[g][j] = 0.0f;
+    ShapeScores(df, c, b, c0, n, s[g]);
+    SoftmaxStep(df, n, c.Dvp, s[g], state + g * rs);
+  }
+  if constexpr (kPermV) {
+    const char* vhead = static_cast<const char*>(c.v.data) + static_cast<size_t>(h) * c.v.nb[2];
+    AccumPermuted<T, kG>(df, vhead, c.v.nb[1], c0, n, c.Dv, &s[0][0], kBlockCells + kRowPad, state,
+                         rs);
+  } else {
+    const char* vrow0 = static_cast<const char*>(c.v.data) + static_cast<size_t>(h) * c.v.nb[1] +
+                        static_cast<size_t>(c0) * c.v.nb[2];
+    AccumPlain<T, kG>(df, vrow0, c.v.nb[2], n, c.Dv, &s[0][0], kBlockCells + kRowPad, state, rs);
+  }
+}
+
+template <DType T, bool kPermV>
+HWY_INLINE void DecodeCellsAllHeads(const Ctx& c, int64_t h, int64_t b, int64_t c0, int64_t n,
+                                    const float* qs, float* rows) {
+  int64_t g = 0;
+  for (; g + 8 <= c.G; g += 8) DecodeCells<T, kPermV, 8>(c, h, b, g, c0, n, qs, rows);
+  const int64_t r = c.G - g;
+  if (r >= 4) {
+    DecodeCells<T, kPermV, 4>(c, h, b, g, c0, n, qs, rows);
+    g += 4;
+  }
+  if (c.G - g >= 2) {
+    DecodeCells<T, kPermV, 2>(c, h, b, g, c0, n, qs, rows);
+    g += 2;
+  }
+  if (c.G - g >= 1) DecodeCells<T, kPermV, 1>(c, h, b, g, c0, n, qs, rows);
+}
+
+template <DType T, bool kPermV>
+void DecodeTask(const Ctx& c, int64_t task) {
+  const DF df;
+  const int64_t h = task / c.n_chunks;
+  const int64_t chunk = task % c.n_chunks;
+  const int64_t lo = chunk * c.chunk;
+  const int64_t hi = std::min(c.L, lo + c.chunk);
+  const int64_t rs = attn::PartialStride(c);
+  float* part = c.partials + task * c.B * c.G * rs;
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  for (int64_t r = 0; r < c.B * c.G; ++r) {
+    float* row = part + r * rs;
+    for (int64_t i = 0; i < c.Dvp; i += kN) hn::Store(hn::Zero(df), df, row + i);
+    row[c.Dvp] = neg_inf;
+    row[c.Dvp + 1] = 0.0f;
+  }
+  // The group's query rows, pre-scaled and zero-padded: [B][G][Dp].
+  float* qs = attn::ThreadScratch(static_cast<size_t>(c.B * c.G * c.Dp), 1);
+  const VF vscale = hn::Set(df, c.p.scale);
+  for (int64_t b = 0; b < c.B; ++b) {
+    for (int64_t g = 0; g < c.G; ++g) {
+      const float* src = static_cast<const float*>(RowPtr(c.q, b, h * c.G + g));
+      float* dst = qs + (b * c.G + g) * c.Dp;
+      int64_t i = 0;
+      for (; i + static_cast<int64_t>(kN) <= c.D; i += kN) {
+        hn::Store(hn::Mul(hn::LoadU(df, src + i), vscale), df, dst + i);
+      }
+      for (; i < c.Dp; ++i) dst[i] = i < c.D ? src[i] * c.p.scale : 0.0f;
+    }
+  }
+  // Per row, a cursor into its spans: the first span ending after lo.
+  constexpr int64_t kMaxB = 64;
+  int64_t cursor[kMaxB];
+  for (int64_t b = 0; b < c.B; ++b) {
+    const int32_t* sp = c.spans + 2 * c.span_off[b];
+    const int64_t ns = c.span_off[b + 1] - c.span_off[b];
+    int64_t l = 0, r = ns;  // first span with end > lo
+    while (l < r) {
+      const int64_t mid = (l + r) / 2;
+      if (sp[2 * mid + 1] <= lo)
+        l = mid + 1;
+      else
+        r = mid;
+    }
+    cursor[b] = l;
+  }
+  for (int64_t blk0 = lo; blk0 < hi; blk0 += kBlockCells) {
+    const int64_t blk1 = std::min(hi, blk0 + kBlockCells);
+    for (int64_t b = 0; b < c.B; ++b) {
+      const int32_t* sp = c.spans + 2 * c.span_off[b];
+      const int64_t ns = c.span_off[b + 1] - c.span_off[b];
+      int64_t& cur = cursor[b];
+      while (cur < ns && sp[2 * cur] < blk1) {
+        const int64_t s0 = std::max<int64_t>(sp[2 * cur], blk0);
+        const int64_t s1 = std::min<int64_t>(sp[2 * cur + 1], blk1);
+        if (s1 > s0) {
+          DecodeCellsAllHeads<T, kPermV>(c, h, b, s0, s1 - s0, qs + b * c.G * c.Dp,
+                                         part + b * c.G * rs);
+        }
+        if (sp[2 * cur + 1] > blk1) break;  // the span goes on into the next block
+        ++cur;
+      }
+    }
+  }
+}
+
+// Combines the chunks' partials of every (b, query head), adds the sink, divides, writes out.
+void DecodeMerge(const Ctx& c) {
+  const DF df;
+  const int64_t rs = attn::PartialStride(c);
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  for (int64_t hq = 0; hq < c.Hq; ++hq) {
+    const int64_t h = hq / c.G;
+    const int64_t g = hq % c.G;
+    for (int64_t b = 0; b < c.B; ++b) {
+      auto row_of = [&](int64_t chunk) {
+        return c.partials + ((h * c.n_chunks + chunk) * c.B * c.G + b * c.G + g) * rs;
+      };
+      float m = c.p.sinks != nullptr ? c.p.sinks[hq] : neg_inf;
+      for (int64_t ch = 0; ch < c.n_chunks; ++ch) m = std::max(m, row_of(ch)[c.Dvp]);
+      float* o = static_cast<float*>(RowPtr(c.out, b, hq));
+      if (m == neg_inf) {
+        for (int64_t i = 0; i < c.Dv; ++i) o[i] = 0.0f;
+        continue;
+      }
+      float l = c.p.sinks != nullptr ? std::exp(c.p.sinks[hq] - m) : 0.0f;
+      // Accumulate into chunk 0's row (this merge owns the partials now).
+      float* acc = row_of(0);
+      const float w0 = acc[c.Dvp] == neg_inf ? 0.0f : std::exp(acc[c.Dvp] - m);
+      l += w0 * acc[c.Dvp + 1];
+      for (int64_t i = 0; i < c.Dvp; i += kN) {
+        hn::Store(hn::Mul(hn::Load(df, acc + i), hn::Set(df, w0)), df, acc + i);
+      }
+      for (int64_t ch = 1; ch < c.n_chunks; ++ch) {
+        const float* r = row_of(ch);
+        if (r[c.Dvp] == neg_inf) continue;
+        const float w = std::exp(r[c.Dvp] - m);
+        l += w * r[c.Dvp + 1];
+        for (int64_t i = 0; i < c.Dvp; i += kN) {
+          hn::Store(hn::MulAdd(hn::Load(df, r + i), hn::Set(df, w), hn::Load(df, acc + i)), df,
+                    acc + i);
+        }
+      }
+      const float inv = l > 0 ? 1.0f / l : 0.0f;
+      for (int64_t i = 0; i < c.Dv; ++i) o[i] = acc[i] * inv;
+    }
+  }
+}
+
+// ---- prefill
+// -------------------------------------------------------------------------------------
+
+constexpr int64_t kTC = 4 * static_cast<int64_t>(kN);  // cells per tile: 4 vectors
+
+// Row j of K or V (any dtype) to f32, zero-padded to `padded` floats.
+template <DType T>
+HWY_INLINE void RowToF32Padded(DF df, const void* row, int64_t n, int64_t padded, float* dst) {
+  if constexpr (IsQuantized(T)) {
+    for (int64_t blk = 0; blk < n / 32; ++blk) {
+      const VF scale = hn::Set(df, BlockScale<T>(row, blk));
+      for (int64_t w = 0; w < 32; w += kN) {
+        hn::Store(hn::Mul(LoadCodes<T>(df, row, blk * 32 + w), scale), df, dst + blk * 32 + w);
+      }
+    }
+  } else {
+    int64_t i = 0;
+    for (; i + static_cast<int64_t>(kN) <= n; i += kN)
+      hn::Store(LoadFloat<T>(df, row, i), df, dst + i);
+    if (i < n) hn::Store(LoadFloatTail<T>(df, row, i, n - i), df, dst + i);
+  }
+  for (int64_t i = n; i < padded; ++i) dst[i] = 0.0f;
+}
+
+// S[r][0..kTC) = sum_d Q[r][d] * KT[d][0..kTC) for kR rows: kR x 4 accumulators, no reductions.
+template <int kR>
+HWY_INLINE void TileScores(DF df, const float* qrows, int64_t Dp, int64_t D, const float* kt,
+                           float* s) {
+  VF a[kR][4];
+  for (int r = 0; r < kR; ++r)
+    for (int v = 0; v < 4; ++v) a[r][v] = hn::Zero(df);
+  for (int64_t d = 0; d < D; ++d) {
+    const float* ktd = kt + d * kTC;
+    const VF k0 = hn::Load(df, ktd), k1 = hn::Load(df, ktd + kN), k2 = hn::Load(df, ktd + 2 * kN),
+             k3 = hn::Load(df, ktd + 3 * kN);
+    for (int r = 0; r < kR; ++r) {
+      const VF qv = hn::Set(df, qrows[r * Dp + d]);
+      a[r][0] = hn::MulAdd(qv, k0, a[r][0]);
+      a[r][1] = hn::MulAdd(qv, k1, a[r][1]);
+      a[r][2] = hn::MulAdd(qv, k2, a[r][2]);
+      a[r][3] = hn::MulAdd(qv, k3, a[r][3]);
+    }
+  }
+  for (int r = 0; r < kR; ++r)
+    for (int v = 0; v < 4; ++v) hn::Store(a[r][v], df, s + r * kTC + v * kN);
+}
+
+// acc[r][i..i + kV*kN) += sum_j P[r][j] * V[j][i..] for kR rows.
+template <int kR, int kV>
+HWY_INLINE void TileAccum(DF df, const float* p, const float* vt, int64_t Dvp, int64_t i,
+                          float* acc, int64_t acc_stride) {
+  VF a[kR][kV];
+  for (int r = 0; r < kR; ++r)
+    for (int v = 0; v < kV; ++v) a[r][v] = hn::Load(df, acc + r * acc_stride + i + v * kN);
+  for (int64_t j = 0; j < kTC; ++j) {
+    VF vv[kV];
+    for (int v = 0; v < kV; ++v) vv[v] = hn::Load(df, vt + j * Dvp + i + v * kN);
+    for (int r = 0; r < kR; ++r) {
+      const VF pv = hn::Set(df, p[r * kTC + j]);
+      for (int v = 0; v < kV; ++v) a[r][v] = hn::MulAdd(pv, vv[v], a[r][v]);
+    }
+  }
+  for (int r = 0; r < kR; ++r)
+    for (int v = 0; v < kV; ++v) hn::Store(a[r][v], df, acc + r * acc_stride + i + v * kN);
+}
+
+template <int kR>
+HWY_INLINE void TileAccumRows(DF df, const float* p, const float* vt, int64_t Dvp, float* acc,
+                              int64_t acc_stride) {
+  int64_t i = 0;
+  for (; i + 4 * static_cast<int64_t>(kN) <= Dvp; i += 4 * kN) {
+    TileAccum<kR, 4>(df, p, vt, Dvp, i, acc, acc_stride);
+  }
+  for (; i < Dvp; i += kN) TileAccum<kR, 1>(df, p, vt, Dvp, i, acc, acc_stride);
+}
+
+template <DType T, bool kPermV>
+void PrefillTask(const Ctx& c, int64_t task) {
+  const DF df;
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  const int64_t h = task / c.n_qtiles;
+  const int64_t b0 = (task % c.n_qtiles) * c.q_tile;
+  const int64_t nb = std::min(c.q_tile, c.B - b0);
+  const int64_t R = nb * c.G;  // query rows: row r = (b0 + r / G, head h * G + r % G)
+  const int64_t rs = c.Dvp + kRowPad;
+  // Scratch: q rows [R][Dp], state rows [R][rs], KT [Dp][kTC], V tile [kTC][Dvp], S [R][kTC].
+  const size_t need = static_cast<size_t>(R * c.Dp + R * rs + c.Dp * kTC + kTC * c.Dvp + R * kTC);
+  float* qs = attn::ThreadScratch(need, 1);
+  float* st = qs + R * c.Dp;
+  float* kt = st + R * rs;
+  float* vt = kt + c.Dp * kTC;
+  float* sc = vt + kTC * c.Dvp;
+  const VF vscale = hn::Set(df, c.p.scale);
+  int64_t lo = c.L, hi = 0;
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t b = b0 + r / c.G;
+    const float* src = static_cast<const float*>(RowPtr(c.q, b, h * c.G + r % c.G));
+    float* dst = qs + r * c.Dp;
+    int64_t i = 0;
+    for (; i + static_cast<int64_t>(kN) <= c.D; i += kN) {
+      hn::Store(hn::Mul(hn::LoadU(df, src + i), vscale), df, dst + i);
+    }
+    for (; i < c.Dp; ++i) dst[i] = i < c.D ? src[i] * c.p.scale : 0.0f;
+    float* row = st + r * rs;
+    for (int64_t i2 = 0; i2 < c.Dvp; i2 += kN) hn::Store(hn::Zero(df), df, row + i2);
+    row[c.Dvp] = neg_inf;
+    row[c.Dvp + 1] = 0.0f;
+    lo = std::min<int64_t>(lo, c.row_lo[b]);
+    hi = std::max<int64_t>(hi, c.row_hi[b]);
+  }
+  const char* kbase = static_cast<const char*>(c.k.data) + static_cast<size_t>(h) * c.k.nb[1];
+  for (int64_t t0 = lo; t0 < hi; t0 += kTC) {
+    const int64_t n = std::min(kTC, hi - t0);
+    // K tile transposed: kt[d][j].
+    HWY_ALIGN float krow[attn::Pad(kAttentionMaxHeadDim)];
+    for (int64_t j = 0; j < kTC; ++j) {
+      if (j < n) {
+        RowToF32Padded<T>(df, kbase + static_cast<size_t>(t0 + j) * c.k.nb[2], c.D, c.D, krow);
+        for (int64_t d = 0; d < c.D; ++d) kt[d * kTC + j] = krow[d];
+      } else {
+        for (int64_t d = 0; d < c.D; ++d) kt[d * kTC + j] = 0.0f;
+      }
+    }
+    // V tile: vt[j][d].
+    for (int64_t j = 0; j < kTC; ++j) {
+      float* dst = vt + j * c.Dvp;
+      if (j >= n) {
+        for (int64_t d = 0; d < c.Dvp; ++d) dst[d] = 0.0f;
+      } else if constexpr (kPermV) {
+        const char* vh = static_cast<const char*>(c.v.data) + static_cast<size_t>(h) * c.v.nb[2] +
+                         static_cast<size_t>(t0 + j) * c.v.nb[0];
+        for (int64_t d = 0; d < c.Dv; ++d)
+          dst[d] = LoadAsF32(vh + static_cast<size_t>(d) * c.v.nb[1], T, 0);
+        for (int64_t d = c.Dv; d < c.Dvp; ++d) dst[d] = 0.0f;
+      } else {
+        RowToF32Padded<T>(df,
+                          static_cast<const char*>(c.v.data) + static_cast<size_t>(h) * c.v.nb[1] +
+                              static_cast<size_t>(t0 + j) * c.v.nb[2],
+                          c.Dv, c.Dvp, dst);
+      }
+    }
+    // Scores for every row, 4 rows at a time.
+    int64_t r = 0;
+    for (; r + 4 <= R; r += 4) TileScores<4>(df, qs + r * c.Dp, c.Dp, c.D, kt, sc + r * kTC);
+    for (; r < R; ++r) TileScores<1>(df, qs + r * c.Dp, c.Dp, c.D, kt, sc + r * kTC);
+    // Softcap, mask, online softmax per row; p overwrites s (0 where hidden).
+    for (r = 0; r < R; ++r) {
+      const int64_t b = b0 + r / c.G;
+      float* s = sc + r * kTC;
+      float* row = st + r * rs;
+      if (c.p.softcap != 0) {
+        const VF cap = hn::Set(df, c.p.softcap);
+        const VF inv = hn::Set(df, 1.0f / c.p.softcap);
+        for (int64_t j = 0; j < kTC; j += kN) {
+          hn::Store(hn::Mul(cap, hn::Tanh(df, hn::Mul(hn::Load(df, s + j), inv))), df, s + j);
+        }
+      }
+      for (int64_t j = 0; j < kTC; ++j) {
+        const bool in = j < n && t0 + j >= c.row_lo[b] && t0 + j < c.row_hi[b];
+        if (!in) {
+          s[j] = neg_inf;
+        } else if (c.mask.data != nullptr) {
+          s[j] += attn::MaskValue(c.mask, b, t0 + j);
+        }
+      }
+      VF vmax = hn::Set(df, neg_inf);
+      for (int64_t j = 0; j < kTC; j += kN) vmax = hn::Max(vmax, hn::Load(df, s + j));
+      const float m_blk = hn::GetLane(hn::MaxOfLanes(df, vmax));
+      if (m_blk == neg_inf) {  // nothing visible to this row here
+        for (int64_t j = 0; j < kTC; ++j) s[j] = 0.0f;
+        continue;
+      }
+      const float m_old = row[c.Dvp];
+      const float m_new = std::max(m_old, m_blk);
+      const VF vm = hn::Set(df, m_new);
+      const VF vninf = hn::Set(df, neg_inf);
+      const VF vlow = hn::Set(df, -std::numeric_limits<float>::max());
+      VF vsum = hn::Zero(df);
+      for (int64_t j = 0; j < kTC; j += kN) {
+        const VF x = hn::Load(df, s + j);
+        const VF e =
+            hn::IfThenZeroElse(hn::Eq(x, vninf), hn::Exp(df, hn::Max(hn::Sub(x, vm), vlow)));
+        vsum = hn::Add(vsum, e);
+        hn::Store(e, df, s + j);
+      }
+      if (m_new != m_old) {
+        const float alpha = std::exp(m_old - m_new);
+        const VF va = hn::Set(df, alpha);
+        for (int64_t i = 0; i < c.Dvp; i += kN)
+          hn::Store(hn::Mul(hn::Load(df, row + i), va), df, row + i);
+        row[c.Dvp + 1] *= alpha;
+      }
+      row[c.Dvp] = m_new;
+      row[c.Dvp + 1] += hn::GetLane(hn::SumOfLanes(df, vsum));
+    }
+    for (r = 0; r + 4 <= R; r += 4) TileAccumRows<4>(df, sc + r * kTC, vt, c.Dvp, st + r * rs, rs);
+    for (; r < R; ++r) TileAccumRows<1>(df, sc + r * kTC, vt, c.Dvp, st + r * rs, rs);
+  }
+  // Finish: sink, divide, write.
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t b = b0 + r / c.G;
+    const int64_t hq = h * c.G + r % c.G;
+    const float* row = st + r * rs;
+    float* o = static_cast<float*>(RowPtr(c.out, b, hq));
+    float m = row[c.Dvp];
+    float l = row[c.Dvp + 1];
+    float w = 1.0f;
+    if (c.p.sinks != nullptr) {
+      const float mm = std::max(m, c.p.sinks[hq]);
+      w = m == neg_inf ? 0.0f : std::exp(m - mm);
+      l = l * w + std::exp(c.p.sinks[hq] - mm);
+      m = mm;
+    }
+    if (m == neg_inf || !(l > 0)) {
+      for (int64_t i = 0; i < c.Dv; ++i) o[i] = 0.0f;
+      continue;
+    }
+    const float f = w / l;
+    for (int64_t i = 0; i < c.Dv; ++i) o[i] = row[i] * f;
+  }
+}
+
+// ---- dispatch
+// ------------------------------------------------------------------------------------
+
+template <DType T, bool kPermV>
+void RunTyped(const Ctx& c, bool decode, const ParallelForFn& pf) {
+  using TaskFn = void (*)(void*, int64_t);
+  TaskFn fn;
+  int64_t n;
+  if (decode) {
+    fn = [](void* ctx, int64_t i) { DecodeTask<T, kPermV>(*static_cast<const Ctx*>(ctx), i); };
+    n = c.Hkv * c.n_chunks;
+  } else {
+    fn = [](void* ctx, int64_t i) { PrefillTask<T, kPermV>(*static_cast<const Ctx*>(ctx), i); };
+    n = c.Hkv * c.n_qtiles;
+  }
+  void* ctx = const_cast<Ctx*>(&c);
+  if (pf.run == nullptr || n == 1) {
+    for (int64_t i = 0; i < n; ++i) fn(ctx, i);
+  } else {
+    pf.run(pf.user, n, fn, ctx);
+  }
+  if (decode) DecodeMerge(c);
+}
+
+void AttentionImpl(const Ctx& c, bool decode, const ParallelForFn& pf) {
+  const bool perm = c.p.v_permuted;
+  switch (c.k.dtype) {
+    case DType::kF32:
+      return perm ? RunTyped<DType::kF32, true>(c, decode, pf)
+                  : RunTyped<DType::kF32, false>(c, decode, pf);
+    case DType::kF16:
+      return perm ? RunTyped<DType::kF16, true>(c, decode, pf)
+                  : RunTyped<DType::kF16, false>(c, decode, pf);
+    case DType::kBF16:
+      return perm ? RunTyped<DType::kBF16, true>(c, decode, pf)
+                  : RunTyped<DType::kBF16, false>(c, decode, pf);
+    case DType::kQ8_0:
+      return RunTyped<DType::kQ8_0, false>(c, decode, pf);
+    case DType::kQ4_0:
+      return RunTyped<DType::kQ4_0, false>(c, decode, pf);
+  }
+}
+
+}  // namespace HWY_NAMESPACE
+}  // namespace kv::kernels
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+namespace kv::kernels {
+
+HWY_EXPORT(AttentionImpl);
+
+void Attention(const TensorView& q, const TensorView& k, const TensorView& v,
+               const TensorView& mask, const AttentionKernelParams& params, const ParallelForFn& pf,
+               TensorView* out) {
+  attn::Ctx c;
+  c.q = q;
+  c.k = k;
+  c.v = v;
+  c.mask = mask;
+  c.out = *out;
+  c.p = params;
+  c.D = k.ne[0];
+  c.Hkv = k.ne[1];
+  c.L = k.ne[2];
+  c.B = q.ne[1];
+  c.Hq = q.ne[2];
+  c.G = c.Hq / c.Hkv;
+  c.Dv = params.v_permuted ? v.ne[1] : v.ne[0];
+  c.Dp = attn::Pad(c.D);
+  c.Dvp = attn::Pad(c.Dv);
+  const int threads = std::max(1, pf.run != nullptr ? pf.num_threads : 1);
+  const bool decode =
+      params.mode == AttentionMode::kDecode || (params.mode == AttentionMode::kAuto && c.B < 8);
+  constexpr int64_t kMaxDecodeB = 64;  // DecodeTask's cursor array
+  const bool use_decode = decode && c.B <= kMaxDecodeB;
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+
+  // Visible spans (decode) or the visible box (prefill) of each row, found once from the mask.
+  // Call-level scratch layout: [span_off: B + 1 int64][row_lo, row_hi: B int32
+  // each][spans][partials].
+  const size_t span_cap =
+      use_decode ? static_cast<size_t>(c.B) * static_cast<size_t>(c.L / 2 + 1) : 0;
+  if (use_decode) {
+    const int64_t target_tasks = 4 * static_cast<int64_t>(threads);
+    int64_t chunks = c.Hkv >= target_tasks ? 1 : (target_tasks + c.Hkv - 1) / c.Hkv;
+    constexpr int64_t kMinChunk = 512;  // below this, the merge costs more than the split saves
+    chunks = std::max<int64_t>(1, std::min(chunks, (c.L + kMinChunk - 1) / kMinChunk));
+    c.n_chunks = chunks;
+    c.chunk = (c.L + chunks - 1) / chunks;
+    c.chunk = (c.chunk + attn::kBlockCells - 1) / attn::kBlockCells * attn::kBlockCells;
+    if (c.chunk == 0) c.chunk = 1;
+    c.n_chunks = std::max<int64_t>(1, (c.L + c.chunk - 1) / c.chunk);
+  }
+  const size_t partial_floats =
+      use_decode ? static_cast<size_t>(c.Hkv * c.n_chunks * c.B * c.G * attn::PartialStride(c)) : 0;
+  const size_t header_bytes = (static_cast<size_t>(c.B) + 1) * 8 + static_cast<size_t>(c.B) * 8;
+  const size_t total_bytes = header_bytes + span_cap * 8 + partial_floats * 4 + 192;
+  float* base = attn::ThreadScratch((total_bytes + 3) / 4, 0);
+  char* p8 = reinterpret_cast<char*>(base);
+  int64_t* span_off = reinterpret_cast<int64_t*>(p8);
+  int32_t* row_lo = reinterpret_cast<int32_t*>(p8 + (c.B + 1) * 8);
+  int32_t* row_hi = row_lo + c.B;
+  int32_t* spans = row_hi + c.B;
+  float* partials = reinterpret_cast<float*>(
+      p8 + attn::Pad(static_cast<int64_t>((header_bytes + span_cap * 8 + 63) / 4)) * 4);
+
+  span_off[0] = 0;
+  for (int64_t b = 0; b < c.B; ++b) {
+    int64_t ns = span_off[b];
+    int32_t lo = static_cast<int32_t>(c.L), hi = 0;
+    if (mask.data == nullptr) {
+      if (c.L > 0) {
+        lo = 0;
+        hi = static_cast<int32_t>(c.L);
+        if (use_decode) {
+          spans[2 * ns] = 0;
+          spans[2 * ns + 1] = static_cast<int32_t>(c.L);
+          ++ns;
+        }
+      }
+    } else {
+      int64_t j = 0;
+      while (j < c.L) {
+        while (j < c.L && attn::MaskValue(mask, b, j) == neg_inf) ++j;
+        if (j == c.L) break;
+        const int64_t s0 = j;
+        while (j < c.L && attn::MaskValue(mask, b, j) != neg_inf) ++j;
+        if (use_decode) {
+          spans[2 * ns] = static_cast<int32_t>(s0);
+          spans[2 * ns + 1] = static_cast<int32_t>(j);
+          ++ns;
+        }
+        lo = std::min<int32_t>(lo, static_cast<int32_t>(s0));
+        hi = static_cast<int32_t>(j);
+      }
+    }
+    span_off[b + 1] = ns;
+    row_lo[b] = lo;
+    row_hi[b] = hi;
+  }
+  c.spans = spans;
+  c.span_off = span_off;
+  c.row_lo = row_lo;
+  c.row_hi = row_hi;
+  c.partials = partials;
+  if (!use_decode) {
+    c.q_tile = std::clamp<int64_t>(64 / c.G, 1, 32);
+    c.n_qtiles = (c.B + c.q_tile - 1) / c.q_tile;
+  }
+  HWY_DYNAMIC_DISPATCH(AttentionImpl)(c, use_decode, pf);
+}
+
+}  // namespace kv::kernels
+#endif  // HWY_ONCE

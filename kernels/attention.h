@@ -1,0 +1,90 @@
+// Attention kernel: softmax(scale * Q K^T [softcap] + mask) V over a cache history, online softmax
+// (flash attention) with f32 accumulators, Highway-dispatched, with a scalar double reference.
+//
+// Shapes (ggml order, dim 0 fastest):
+//   q    [D, B, Hq]   f32, dim 0 packed (nb[0] == 4); nb[1], nb[2] any.
+//   k    [D, Hkv, L]  any storage dtype, rows packed along dim 0 (nb[0] == BlockBytes); nb[1] (head
+//                     stride) and nb[2] (cell stride) any. The caches' head-major blocks give a
+//                     large nb[1] and a small nb[2]; a [D, T, H, B] sequence view is passed per
+//                     batch entry with its dims 1 and 2 swapped (ne = {D, H, T}, nb = {.., head,
+//                     token}).
+//   v    plain    [Dv, Hkv, L], same rules as k;
+//        permuted [L, Dv, Hkv] (cells fastest; float dtypes only): nb[0] == element size.
+//   mask [L, B]       f32 or f16, element (i, j) at data + i * nb[1] + j * nb[0], nb[0] == element
+//                     size; data == nullptr: every cell visible. 0 / -inf in the caches; any finite
+//                     value is added to the logit, -inf hides the cell.
+//   out  [Dv, B, Hq]  f32, nb[0] == 4.
+// K and V share one dtype. Query head h reads KV head h / (Hq / Hkv).
+//
+// Memory traffic (bytes of K+V read per call; R = bytes of one K plus one V row in the storage
+// dtype, visible(b) = cells visible to batch row b):
+//   decode (B small): every KV head walks its own K and V streams front to back once per block of
+//     128 cells, and inside the block serves every batch row and all Hq/Hkv query heads of its
+//     group from L1. Traffic = Hkv * R * |union over b of visible(b)|: one pass, independent of the
+//     GQA ratio and of B. Masked runs are skipped by range (spans found once per batch row), so
+//     hidden cells cost no traffic. The history is split into chunks across threads (flash
+//     decoding); each task writes (m, l, acc) partials that one merge pass combines: Hkv * chunks *
+//     B * G * (Dv + 2) floats, small next to the history.
+//   prefill (B large): tasks are (KV head, tile of 16 batch rows); each 32-cell K/V tile is
+//     converted to f32 once (K transposed) and reused by the 16 * G query rows of the tile from L1.
+//     Traffic = Hkv * R * L * ceil(B / 16) from the cache hierarchy (K/V of one head fit in L2 for
+//     moderate L), Q and out once. Tiles no row of the query tile can see are skipped.
+// Quantized K/V are dequantized in registers (decode) or into the f32 tile (prefill); no f32 copy
+// of the history is ever made.
+//
+// Error bound: logits are f32 dot products of the (exactly dequantized) K elements with Q
+// pre-scaled by `scale` (relative error ~ D * 2^-24 * sum|q k| / |q.k|), exp has 1 ULP (Highway's
+// Exp), the running max rescaling adds ~2^-23 relative per rescale, and V accumulates in f32.
+// Against a double reference over the same stored (rounded) K/V the output error is a few times
+// 1e-6 * max|V| for moderate L; the dtype only matters through the stored values, which the
+// reference sees too.
+//
+// Masked cells are never read in decode; prefill reads whole tiles, so K/V of hidden cells must be
+// finite there (the caches zero-fill their storage).
+//
+// Scratch: each thread that runs tasks keeps one thread_local buffer, grown to the largest shape it
+// has seen; the calling thread also keeps the span lists and decode partials. After the first call
+// with a given shape and thread count no call allocates.
+#ifndef KVCACHE_KERNELS_ATTENTION_H_
+#define KVCACHE_KERNELS_ATTENTION_H_
+
+#include <cstdint>
+
+#include "layouts/dtype.h"
+#include "layouts/tensor_view.h"
+
+namespace kv::kernels {
+
+inline constexpr int64_t kAttentionMaxHeadDim = 512;
+
+enum class AttentionMode : uint8_t { kAuto, kDecode, kPrefill };
+
+struct AttentionKernelParams {
+  float scale = 0;               // already resolved by the caller (never 0 here unless intended)
+  float softcap = 0;             // 0: none
+  const float* sinks = nullptr;  // [Hq] or null
+  bool v_permuted = false;
+  AttentionMode mode = AttentionMode::kAuto;  // kAuto: decode when B < 8
+};
+
+// A parallel-for: run must call task(ctx, i) exactly once for every i in [0, n), from any threads,
+// and return when all calls have returned. Tasks write disjoint memory. run == nullptr: run inline.
+struct ParallelForFn {
+  void (*run)(void* user, int64_t n, void (*task)(void* ctx, int64_t i), void* ctx) = nullptr;
+  void* user = nullptr;
+  int num_threads = 1;  // how many threads run may use at once: sizes the decode split
+};
+
+// Preconditions (checked by core/attend.cc): shapes as above, D <= kAttentionMaxHeadDim, quantized
+// D and Dv multiples of 32, Hq % Hkv == 0, K and V of one dtype, permuted V not quantized.
+void Attention(const TensorView& q, const TensorView& k, const TensorView& v,
+               const TensorView& mask, const AttentionKernelParams& params, const ParallelForFn& pf,
+               TensorView* out);
+
+// Scalar reference in double precision (single-threaded, no tiling). Same contract.
+void AttentionRef(const TensorView& q, const TensorView& k, const TensorView& v,
+                  const TensorView& mask, const AttentionKernelParams& params, TensorView* out);
+
+}  // namespace kv::kernels
+
+#endif  // KVCACHE_KERNELS_ATTENTION_H_

@@ -1,0 +1,101 @@
+// Scalar double-precision reference for kernels/attention.h: the definition, written plainly.
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "kernels/attention.h"
+#include "layouts/quant.h"
+
+namespace kv::kernels {
+namespace {
+
+float MaskAt(const TensorView& mask, int64_t i, int64_t j) {
+  if (mask.data == nullptr) return 0.0f;
+  const char* p = static_cast<const char*>(mask.data) + static_cast<size_t>(i) * mask.nb[1] +
+                  static_cast<size_t>(j) * mask.nb[0];
+  if (mask.dtype == DType::kF16) {
+    uint16_t h;
+    std::memcpy(&h, p, 2);
+    return F16ToF32(h);
+  }
+  float f;
+  std::memcpy(&f, p, 4);
+  return f;
+}
+
+}  // namespace
+
+void AttentionRef(const TensorView& q, const TensorView& k, const TensorView& v,
+                  const TensorView& mask, const AttentionKernelParams& params, TensorView* out) {
+  const int64_t D = k.ne[0];
+  const int64_t Hkv = k.ne[1];
+  const int64_t L = k.ne[2];
+  const int64_t B = q.ne[1];
+  const int64_t Hq = q.ne[2];
+  const int64_t Dv = params.v_permuted ? v.ne[1] : v.ne[0];
+  const int64_t group = Hq / Hkv;
+  const double neg_inf = -std::numeric_limits<double>::infinity();
+
+  // Dequantize the whole history once (the reference may allocate; the kernel never does this).
+  std::vector<float> kf(static_cast<size_t>(Hkv * L * D));
+  std::vector<float> vf(static_cast<size_t>(Hkv * L * Dv));
+  for (int64_t h = 0; h < Hkv; ++h) {
+    for (int64_t j = 0; j < L; ++j) {
+      LoadRowAsF32(RowPtr(k, h, j), D, k.dtype, &kf[static_cast<size_t>((h * L + j) * D)]);
+      float* vrow = &vf[static_cast<size_t>((h * L + j) * Dv)];
+      if (params.v_permuted) {
+        for (int64_t d = 0; d < Dv; ++d) {
+          const char* p = static_cast<const char*>(v.data) + static_cast<size_t>(h) * v.nb[2] +
+                          static_cast<size_t>(d) * v.nb[1] + static_cast<size_t>(j) * v.nb[0];
+          vrow[d] = LoadAsF32(p, v.dtype, 0);
+        }
+      } else {
+        LoadRowAsF32(RowPtr(v, h, j), Dv, v.dtype, vrow);
+      }
+    }
+  }
+
+  std::vector<double> s(static_cast<size_t>(L));
+  std::vector<double> acc(static_cast<size_t>(Dv));
+  for (int64_t hq = 0; hq < Hq; ++hq) {
+    const int64_t h = hq / group;
+    for (int64_t b = 0; b < B; ++b) {
+      const float* qrow = static_cast<const float*>(RowPtr(q, b, hq));
+      double m = neg_inf;
+      for (int64_t j = 0; j < L; ++j) {
+        const float mv = MaskAt(mask, b, j);
+        if (std::isinf(mv) && mv < 0) {
+          s[j] = neg_inf;
+          continue;
+        }
+        const float* krow = &kf[static_cast<size_t>((h * L + j) * D)];
+        double dot = 0;
+        for (int64_t d = 0; d < D; ++d) dot += static_cast<double>(qrow[d]) * krow[d];
+        double logit = params.scale * dot;
+        if (params.softcap != 0) logit = params.softcap * std::tanh(logit / params.softcap);
+        s[j] = logit + mv;
+        m = std::max(m, s[j]);
+      }
+      const bool has_sink = params.sinks != nullptr;
+      if (has_sink) m = std::max(m, static_cast<double>(params.sinks[hq]));
+      float* orow = static_cast<float*>(RowPtr(*out, b, hq));
+      if (m == neg_inf) {  // nothing visible and no sink
+        for (int64_t d = 0; d < Dv; ++d) orow[d] = 0.0f;
+        continue;
+      }
+      double denom = has_sink ? std::exp(params.sinks[hq] - m) : 0.0;
+      for (double& a : acc) a = 0;
+      for (int64_t j = 0; j < L; ++j) {
+        if (s[j] == neg_inf) continue;
+        const double p = std::exp(s[j] - m);
+        denom += p;
+        const float* vrow = &vf[static_cast<size_t>((h * L + j) * Dv)];
+        for (int64_t d = 0; d < Dv; ++d) acc[d] += p * vrow[d];
+      }
+      for (int64_t d = 0; d < Dv; ++d)
+        orow[d] = denom > 0 ? static_cast<float>(acc[d] / denom) : 0.0f;
+    }
+  }
+}
+
+}  // namespace kv::kernels

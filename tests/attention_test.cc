@@ -1,0 +1,501 @@
+// Attention kernel and Attend: every compiled Highway target against the scalar double reference.
+//
+// Tolerances. The reference (kernels/attention_ref.cc) reads the same stored K/V and dequantizes
+// them exactly as the kernel does (f16/bf16 -> f32 is exact; q8_0/q4_0 are d * code in f32, the
+// same single rounding in both), then computes in double. So the error under test is the kernel's
+// f32 arithmetic alone, and the bound is the same formula for every dtype:
+//   f32, f16, bf16: inputs exact in f32;       q8_0, q4_0: d * code computed identically.
+//   logit error ~ sqrt(D) * 2^-24 * S, S = scale * sum_d |q_d k_d| (f32 dot products with random
+//   rounding; the worst case D * 2^-24 * S never shows), exp adds 1 ULP, the running-max rescales
+//   ~2^-23 each, the V sum ~sqrt(L_vis) * 2^-24 relative.
+// The output is a convex combination of V rows (|V| <= 1), so |out - ref| <= 2 * dlogit + 2e-6
+// with dlogit = 4 * sqrt(D) * 2^-24 * S_max (S_max measured per case: it grows with the extreme-
+// logit cases' q). The quantized dtypes get the same bound because their stored values are what
+// both sides read; only S_max differs. Measured: worst error / tol below 0.1 on every target.
+#include "kernels/attention.h"
+
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "core/attend.h"
+#include "core/thread_pool.h"
+#include "gtest/gtest.h"
+#include "hwy/aligned_allocator.h"
+#include "hwy/tests/hwy_gtest.h"
+#include "kernels/mask.h"
+#include "layouts/kv_layout.h"
+#include "layouts/quant.h"
+
+namespace kv {
+namespace {
+
+using kernels::AttentionMode;
+
+constexpr float kInf = std::numeric_limits<float>::infinity();
+
+// A history laid out like the caches lay it out: head-major K and V blocks, plain or permuted V.
+struct TestHistory {
+  CellBlockLayout kl, vl;
+  hwy::AlignedFreeUniquePtr<uint8_t[]> kbuf, vbuf;
+  std::vector<float> kf, vf;  // the f32 sources (before storage rounding), [h][j][d]
+  TensorView k, v;
+};
+
+TestHistory MakeHistory(DType dt, int D, int Dv, int Hkv, int L, bool perm, std::mt19937& rng,
+                        float kscale = 1.0f) {
+  TestHistory h;
+  h.kl = MakeCellBlockLayout(dt, D, Hkv, std::max(L, 1), false);
+  h.vl = MakeCellBlockLayout(dt, Dv, Hkv, std::max(L, 1), perm);
+  h.kbuf = hwy::AllocateAligned<uint8_t>(h.kl.bytes);
+  h.vbuf = hwy::AllocateAligned<uint8_t>(h.vl.bytes);
+  std::memset(h.kbuf.get(), 0, h.kl.bytes);
+  std::memset(h.vbuf.get(), 0, h.vl.bytes);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  h.kf.resize(static_cast<size_t>(Hkv) * L * D);
+  h.vf.resize(static_cast<size_t>(Hkv) * L * Dv);
+  for (float& x : h.kf) x = u(rng) * kscale;
+  for (float& x : h.vf) x = u(rng);
+  for (int hh = 0; hh < Hkv; ++hh) {
+    for (int j = 0; j < L; ++j) {
+      StoreRowFromF32(&h.kf[(static_cast<size_t>(hh) * L + j) * D], D, dt,
+                      h.kbuf.get() + CellRowOffset(h.kl, j, hh));
+      const float* vs = &h.vf[(static_cast<size_t>(hh) * L + j) * Dv];
+      if (perm) {
+        for (int d = 0; d < Dv; ++d)
+          StoreFromF32(h.vbuf.get() + CellsFastestOffset(h.vl, j, hh, d), dt, 0, vs[d]);
+      } else {
+        StoreRowFromF32(vs, Dv, dt, h.vbuf.get() + CellRowOffset(h.vl, j, hh));
+      }
+    }
+  }
+  h.k = CellBlockView(h.kl, h.kbuf.get(), 0, L);
+  h.v = CellBlockView(h.vl, h.vbuf.get(), 0, L);
+  return h;
+}
+
+// Mask scenarios built by the mask kernel's reference from a cell table, as the caches do.
+enum class MaskKind { kNone, kCausal, kMultiSeq, kWindow, kChunk, kEmptyRow };
+
+const char* MaskName(MaskKind m) {
+  switch (m) {
+    case MaskKind::kNone:
+      return "none";
+    case MaskKind::kCausal:
+      return "causal";
+    case MaskKind::kMultiSeq:
+      return "multiseq";
+    case MaskKind::kWindow:
+      return "window";
+    case MaskKind::kChunk:
+      return "chunk";
+    case MaskKind::kEmptyRow:
+      return "emptyrow";
+  }
+  return "?";
+}
+
+// Returns mask storage ([L, B], f32 or f16); empty for kNone.
+std::vector<uint8_t> BuildTestMask(MaskKind kind, int L, int B, DType mdt, std::mt19937& rng) {
+  if (kind == MaskKind::kNone) return {};
+  std::vector<int32_t> pos(L);
+  std::vector<uint64_t> bits(L);
+  kernels::MaskRules rules;
+  const int nseq = kind == MaskKind::kMultiSeq || kind == MaskKind::kEmptyRow ? 3 : 1;
+  std::vector<int32_t> next(nseq, 0);
+  for (int j = 0; j < L; ++j) {
+    // Multi-sequence: runs of cells per sequence, some free (padding) cells in between.
+    int s = 0;
+    if (nseq > 1) s = static_cast<int>((j / 5 + (j % 7 == 0 ? 1 : 0)) % (nseq + 1));
+    if (s == nseq) {  // a free / padding cell: no sequence
+      bits[j] = 0;
+      pos[j] = -1;
+      continue;
+    }
+    bits[j] = uint64_t{1} << s;
+    pos[j] = next[s]++;
+  }
+  if (kind == MaskKind::kWindow) rules.window = std::max(3, L / 5);
+  if (kind == MaskKind::kChunk) rules.chunk = std::max(4, L / 3);
+  std::vector<int32_t> tpos(B), tseq(B);
+  std::vector<uint8_t> causal(B, 1);
+  for (int i = 0; i < B; ++i) {
+    const int s = nseq > 1 ? i % nseq : 0;
+    tseq[i] = s;
+    // The batch's tokens are the newest positions of their sequence (plus one beyond, as a
+    // decode token sees its own freshly stored cell).
+    const int32_t have = next[s];
+    tpos[i] = std::max<int32_t>(0, have - 1 - static_cast<int32_t>(rng() % 3) - (B - 1 - i) / nseq);
+  }
+  if (kind == MaskKind::kEmptyRow) tseq[0] = 5;  // a sequence with no cells: fully masked row
+  kernels::MaskCells cells;
+  cells.pos = pos.data();
+  cells.seq_bits = bits.data();
+  cells.seq_word_stride = static_cast<size_t>(L);
+  cells.n = L;
+  kernels::MaskTokens toks{tpos, tseq, causal};
+  std::vector<uint8_t> out(static_cast<size_t>(L) * B * BlockBytes(mdt));
+  kernels::BuildMaskRef(cells, toks, rules, mdt, out.data());
+  return out;
+}
+
+struct Case {
+  DType dt = DType::kF32;
+  bool perm = false;
+  int D = 64, Dv = 64, Hkv = 2, G = 1, B = 1, L = 40;
+  MaskKind mask = MaskKind::kCausal;
+  DType mask_dt = DType::kF32;
+  float softcap = 0;
+  bool sinks = false;
+  float qscale = 1.0f;  // large values give extreme logits
+};
+
+std::string Describe(const Case& c) {
+  char buf[256];
+  std::snprintf(buf, sizeof(buf),
+                "%s %s D=%d Dv=%d Hkv=%d G=%d B=%d L=%d mask=%s/%s cap=%g sinks=%d qs=%g",
+                DTypeName(c.dt), c.perm ? "permV" : "plainV", c.D, c.Dv, c.Hkv, c.G, c.B, c.L,
+                MaskName(c.mask), DTypeName(c.mask_dt), c.softcap, c.sinks, c.qscale);
+  return buf;
+}
+
+// The target the dispatcher picks now (the best supported one: the lowest bit).
+std::string TargetNow() {
+  const int64_t t = hwy::SupportedTargets();
+  return hwy::TargetName(t & -t);
+}
+
+// Runs the kernel in the given mode and thread count and compares with the reference.
+void CheckCase(const Case& c, AttentionMode mode, ThreadPool* pool) {
+  SCOPED_TRACE(Describe(c) + " target=" + TargetNow() +
+               " mode=" + std::to_string(static_cast<int>(mode)) +
+               " threads=" + std::to_string(pool ? pool->NumThreads() : 1));
+  std::mt19937 rng(1234u + static_cast<uint32_t>(c.D * 7 + c.L * 13 + c.B * 31 + c.G));
+  TestHistory h = MakeHistory(c.dt, c.D, c.Dv, c.Hkv, c.L, c.perm, rng);
+  const int Hq = c.Hkv * c.G;
+  std::vector<float> q(static_cast<size_t>(c.D) * c.B * Hq);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  for (float& x : q) x = u(rng) * c.qscale;
+  std::vector<float> sinks(Hq);
+  for (float& s : sinks) s = u(rng) * 2.0f;
+  std::vector<uint8_t> mask = BuildTestMask(c.mask, c.L, c.B, c.mask_dt, rng);
+  TensorView qv = MakeView(q.data(), DType::kF32, {c.D, c.B, Hq});
+  TensorView mv;
+  if (!mask.empty()) mv = MakeView(mask.data(), c.mask_dt, {c.L, c.B});
+  std::vector<float> out(static_cast<size_t>(c.Dv) * c.B * Hq, 12345.0f), ref(out.size(), -1.0f);
+  TensorView ov = MakeView(out.data(), DType::kF32, {c.Dv, c.B, Hq});
+  TensorView rv = MakeView(ref.data(), DType::kF32, {c.Dv, c.B, Hq});
+  kernels::AttentionKernelParams kp;
+  kp.scale = 1.0f / std::sqrt(static_cast<float>(c.D));
+  kp.softcap = c.softcap;
+  kp.sinks = c.sinks ? sinks.data() : nullptr;
+  kp.v_permuted = c.perm;
+  kp.mode = mode;
+  kernels::AttentionRef(qv, h.k, h.v, mv, kp, &rv);
+  kernels::ParallelForFn pf;
+  if (pool != nullptr) {
+    const ParallelFor p = pool->AsParallelFor();
+    pf.run = p.run;
+    pf.user = p.user;
+    pf.num_threads = p.num_threads;
+  }
+  kernels::Attention(qv, h.k, h.v, mv, kp, pf, &ov);
+
+  // S_max: the logits' condition (scale * sum |q k|) over the stored K.
+  std::vector<float> krow(c.D);
+  double smax = 0;
+  for (int hq = 0; hq < Hq; ++hq) {
+    const int hh = hq / c.G;
+    for (int j = 0; j < c.L; j += std::max(1, c.L / 64)) {
+      LoadRowAsF32(RowPtr(h.k, hh, j), c.D, c.dt, krow.data());
+      for (int b = 0; b < c.B; b += std::max(1, c.B / 8)) {
+        double s = 0;
+        for (int d = 0; d < c.D; ++d)
+          s += std::fabs(q[(static_cast<size_t>(hq) * c.B + b) * c.D + d] * krow[d]);
+        smax = std::max(smax, s * kp.scale);
+      }
+    }
+  }
+  const double dlogit = 4.0 * std::sqrt(static_cast<double>(c.D)) * std::ldexp(1.0, -24) * smax;
+  const double tol = 1.0 * (2.0 * dlogit + 2e-6);  // max|V| <= 1
+  double maxerr = 0;
+  for (size_t i = 0; i < out.size(); ++i)
+    maxerr = std::max(maxerr, static_cast<double>(std::fabs(out[i] - ref[i])));
+  if (std::getenv("ATTN_TEST_VERBOSE"))
+    std::printf("%s err=%.3g tol=%.3g ratio=%.3f\n", Describe(c).c_str(), maxerr, tol,
+                maxerr / tol);
+  int bad = 0;
+  for (size_t i = 0; i < out.size() && bad < 5; ++i) {
+    if (!(std::fabs(out[i] - ref[i]) <= tol)) {
+      ++bad;
+      ADD_FAILURE() << "i=" << i << " (d=" << i % c.Dv << " b=" << (i / c.Dv) % c.B
+                    << " hq=" << i / (static_cast<size_t>(c.Dv) * c.B) << ") out=" << out[i]
+                    << " ref=" << ref[i] << " tol=" << tol;
+    }
+  }
+}
+
+class AttentionTest : public hwy::TestWithParamTarget {};
+HWY_TARGET_INSTANTIATE_TEST_SUITE_P(AttentionTest);
+
+std::vector<std::pair<DType, bool>> DTypeLayouts() {
+  return {{DType::kF32, false},  {DType::kF32, true},   {DType::kF16, false},
+          {DType::kF16, true},   {DType::kBF16, false}, {DType::kBF16, true},
+          {DType::kQ8_0, false}, {DType::kQ4_0, false}};
+}
+
+// The full matrix at small L: dtype x V layout x GQA x head_dim x B (1 and 7), decode and prefill.
+TEST_P(AttentionTest, MatrixSmall) {
+  const MaskKind masks[] = {MaskKind::kCausal, MaskKind::kMultiSeq, MaskKind::kWindow,
+                            MaskKind::kChunk,  MaskKind::kNone,     MaskKind::kEmptyRow};
+  int mi = 0;
+  for (auto [dt, perm] : DTypeLayouts()) {
+    for (int G : {1, 4, 8}) {
+      for (int D : {64, 80, 128, 256}) {
+        if (IsQuantized(dt) && D % 32 != 0) continue;
+        for (int B : {1, 7}) {
+          Case c;
+          c.dt = dt;
+          c.perm = perm;
+          c.D = c.Dv = D;
+          c.G = G;
+          c.B = B;
+          c.L = 37 + 50 * (mi % 3);
+          c.mask = masks[mi % 6];
+          c.mask_dt = (mi % 4 == 1) ? DType::kF16 : DType::kF32;
+          c.softcap = (mi % 5 == 2) ? 20.0f : 0.0f;
+          c.sinks = (mi % 3 == 1);
+          ++mi;
+          CheckCase(c, AttentionMode::kDecode, nullptr);
+          CheckCase(c, AttentionMode::kPrefill, nullptr);
+        }
+      }
+    }
+  }
+}
+
+// B = 512 (the prefill shape) with a short history, every dtype and layout.
+TEST_P(AttentionTest, Batch512) {
+  int mi = 0;
+  for (auto [dt, perm] : DTypeLayouts()) {
+    Case c;
+    c.dt = dt;
+    c.perm = perm;
+    c.D = c.Dv = (mi % 2) ? 128 : 64;
+    c.G = (mi % 3 == 0) ? 4 : 1;
+    c.Hkv = 2;
+    c.B = 512;
+    c.L = 48;
+    c.mask = (mi % 2) ? MaskKind::kMultiSeq : MaskKind::kCausal;
+    c.sinks = mi % 3 == 2;
+    ++mi;
+    CheckCase(c, AttentionMode::kAuto, nullptr);
+  }
+}
+
+// Long histories: the decode split into chunks and its merge, threads 1 and 2.
+TEST_P(AttentionTest, LongHistoryThreads) {
+  ThreadPool pool2(2);
+  int mi = 0;
+  for (auto [dt, perm] : DTypeLayouts()) {
+    Case c;
+    c.dt = dt;
+    c.perm = perm;
+    c.D = c.Dv = 128;
+    c.G = 4;
+    c.Hkv = 2;
+    c.B = (mi % 2) ? 1 : 3;
+    c.L = 2500;
+    c.mask =
+        (mi % 3 == 0) ? MaskKind::kWindow : (mi % 3 == 1 ? MaskKind::kMultiSeq : MaskKind::kNone);
+    c.sinks = mi % 2 == 0;
+    ++mi;
+    CheckCase(c, AttentionMode::kDecode, nullptr);
+    CheckCase(c, AttentionMode::kDecode, &pool2);
+  }
+  Case c;
+  c.dt = DType::kF16;
+  c.B = 40;
+  c.L = 300;
+  c.G = 4;
+  c.mask = MaskKind::kMultiSeq;
+  CheckCase(c, AttentionMode::kPrefill, &pool2);
+  CheckCase(c, AttentionMode::kPrefill, nullptr);
+}
+
+// Extreme logits (|logit| in the thousands), softcap on them, and GQA ratios off the power of two.
+TEST_P(AttentionTest, ExtremeLogitsAndOddShapes) {
+  for (auto [dt, perm] : DTypeLayouts()) {
+    for (float qs : {300.0f, 3000.0f}) {
+      Case c;
+      c.dt = dt;
+      c.perm = perm;
+      c.qscale = qs;
+      c.L = 70;
+      c.B = 2;
+      c.G = 3;
+      c.mask = MaskKind::kMultiSeq;
+      CheckCase(c, AttentionMode::kDecode, nullptr);
+      CheckCase(c, AttentionMode::kPrefill, nullptr);
+      c.softcap = 30.0f;
+      c.sinks = true;
+      CheckCase(c, AttentionMode::kDecode, nullptr);
+      CheckCase(c, AttentionMode::kPrefill, nullptr);
+    }
+  }
+  // Head dims that are not a multiple of the vector length, Dv != D, G = 5 and 12.
+  for (auto [dt, perm] : DTypeLayouts()) {
+    if (IsQuantized(dt)) continue;
+    Case c;
+    c.dt = dt;
+    c.perm = perm;
+    c.D = 37;
+    c.Dv = 23;
+    c.G = 5;
+    c.Hkv = 1;
+    c.B = 3;
+    c.L = 29;
+    CheckCase(c, AttentionMode::kDecode, nullptr);
+    CheckCase(c, AttentionMode::kPrefill, nullptr);
+    c.G = 12;
+    CheckCase(c, AttentionMode::kDecode, nullptr);
+  }
+}
+
+// A fully masked row outputs exact zeros (no NaN) with and without sinks; L == 0 likewise.
+TEST_P(AttentionTest, FullyMaskedRowsAreZero) {
+  std::mt19937 rng(7);
+  for (auto [dt, perm] : DTypeLayouts()) {
+    TestHistory h = MakeHistory(dt, 64, 64, 2, 50, perm, rng);
+    std::vector<float> q(64 * 2 * 4, 0.5f), out(64 * 2 * 4, 99.0f);
+    std::vector<float> mask(50 * 2, -kInf);
+    mask[50 + 10] = 0.0f;  // row 1 sees one cell
+    float sinks[4] = {1.0f, -1.0f, 0.0f, 3.0f};
+    for (const float* sk : {static_cast<const float*>(nullptr), static_cast<const float*>(sinks)}) {
+      for (AttentionMode mode : {AttentionMode::kDecode, AttentionMode::kPrefill}) {
+        kernels::AttentionKernelParams kp;
+        kp.scale = 0.125f;
+        kp.sinks = sk;
+        kp.v_permuted = perm;
+        kp.mode = mode;
+        TensorView ov = MakeView(out.data(), DType::kF32, {64, 2, 4});
+        kernels::Attention(MakeView(q.data(), DType::kF32, {64, 2, 4}), h.k, h.v,
+                           MakeView(mask.data(), DType::kF32, {50, 2}), kp, {}, &ov);
+        for (int hq = 0; hq < 4; ++hq) {
+          for (int d = 0; d < 64; ++d) {
+            EXPECT_EQ(out[(hq * 2 + 0) * 64 + d], 0.0f);
+            const float v1 = out[(hq * 2 + 1) * 64 + d];
+            ASSERT_TRUE(std::isfinite(v1));
+            // Row 1: one visible cell, so out = V[10] * (1 / (1 + exp(sink - logit))) or V[10].
+            if (sk == nullptr) {
+              std::vector<float> vr(64);
+              if (perm) {
+                vr[d] = LoadAsF32(static_cast<char*>(h.v.data) + (hq / 2) * h.v.nb[2] +
+                                      d * h.v.nb[1] + 10 * h.v.nb[0],
+                                  dt, 0);
+              } else {
+                LoadRowAsF32(RowPtr(h.v, hq / 2, 10), 64, dt, vr.data());
+              }
+              EXPECT_NEAR(v1, vr[d], 1e-6);
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+// The Attend overloads: validation messages and the thread counts.
+TEST(AttendTest, ValidatesAndRuns) {
+  std::mt19937 rng(3);
+  TestHistory h = MakeHistory(DType::kF16, 64, 64, 2, 100, false, rng);
+  std::vector<float> q(64 * 1 * 8, 0.1f), out(64 * 1 * 8), out2(64 * 1 * 8);
+  std::vector<float> mask(100, 0.0f);
+  History hist{h.k, h.v, MakeView(mask.data(), DType::kF32, {100, 1})};
+  TensorView qv = MakeView(q.data(), DType::kF32, {64, 1, 8});
+  TensorView ov = MakeView(out.data(), DType::kF32, {64, 1, 8});
+  AttentionParams p;
+  ASSERT_TRUE(Attend(qv, hist, p, &ov).ok());
+  ThreadPool pool(2);
+  TensorView ov2 = MakeView(out2.data(), DType::kF32, {64, 1, 8});
+  ASSERT_TRUE(Attend(qv, hist, p, &ov2, &pool).ok());
+  for (size_t i = 0; i < out.size(); ++i) EXPECT_NEAR(out[i], out2[i], 1e-6);
+
+  TensorView bad_q = MakeView(q.data(), DType::kF32, {32, 1, 16});
+  Status s = Attend(bad_q, hist, p, &ov);
+  EXPECT_EQ(s.code(), Code::kInvalidArgument);
+  EXPECT_NE(std::string(s.message()).find("head_dim"), std::string::npos) << s.message();
+  TensorView q7 = MakeView(q.data(), DType::kF32, {64, 1, 7});
+  TensorView o7 = MakeView(out.data(), DType::kF32, {64, 1, 7});
+  s = Attend(q7, hist, p, &o7);
+  EXPECT_EQ(s.code(), Code::kInvalidArgument);
+  EXPECT_NE(std::string(s.message()).find("multiple"), std::string::npos) << s.message();
+  History wrong_mask = hist;
+  wrong_mask.mask.ne[0] = 99;
+  EXPECT_EQ(Attend(qv, wrong_mask, p, &ov).code(), Code::kInvalidArgument);
+  History mixed = hist;
+  mixed.v.dtype = DType::kBF16;
+  EXPECT_EQ(Attend(qv, mixed, p, &ov).code(), Code::kNotSupported);
+  TensorView bad_out = MakeView(out.data(), DType::kF32, {64, 2, 8});
+  EXPECT_EQ(Attend(qv, hist, p, &bad_out).code(), Code::kInvalidArgument);
+  EXPECT_EQ(Attend(qv, hist, p, nullptr).code(), Code::kInvalidArgument);
+  // Empty history: zeros.
+  History empty = hist;
+  empty.k.ne[2] = 0;
+  empty.v.ne[2] = 0;
+  empty.mask.ne[0] = 0;
+  ASSERT_TRUE(Attend(qv, empty, p, &ov).ok());
+  for (float x : out) EXPECT_EQ(x, 0.0f);
+}
+
+// A [D, T, H, B] sequence-cache view, passed per batch entry as ne = {D, H, T}.
+TEST(AttendTest, SequenceLayoutView) {
+  const int D = 64, T = 33, H = 2, Bseq = 2;
+  SequenceBlockLayout sl = MakeSequenceBlockLayout(DType::kBF16, D, H, Bseq, 40);
+  std::vector<uint8_t> kb(sl.bytes), vb(sl.bytes);
+  std::mt19937 rng(5);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  std::vector<float> row(D);
+  for (int b = 0; b < Bseq; ++b)
+    for (int hh = 0; hh < H; ++hh)
+      for (int t = 0; t < T; ++t) {
+        for (float& x : row) x = u(rng);
+        StoreRowFromF32(row.data(), D, DType::kBF16, kb.data() + SequenceRowOffset(sl, b, hh, t));
+        for (float& x : row) x = u(rng);
+        StoreRowFromF32(row.data(), D, DType::kBF16, vb.data() + SequenceRowOffset(sl, b, hh, t));
+      }
+  for (int b = 0; b < Bseq; ++b) {
+    TensorView k4 = SequenceBlockView(sl, kb.data(), 0, T);
+    TensorView v4 = SequenceBlockView(sl, vb.data(), 0, T);
+    auto per_entry = [&](TensorView v4v) {
+      TensorView t = v4v;
+      t.data = static_cast<char*>(v4v.data) + b * v4v.nb[3];
+      t.ne[1] = H;
+      t.ne[2] = T;
+      t.nb[1] = v4v.nb[2];
+      t.nb[2] = v4v.nb[1];
+      t.ne[3] = 1;
+      return t;
+    };
+    History hist{per_entry(k4), per_entry(v4), TensorView{}};
+    std::vector<float> q(D * 1 * 4), out(D * 4), ref(D * 4);
+    for (float& x : q) x = u(rng);
+    TensorView qv = MakeView(q.data(), DType::kF32, {D, 1, 4});
+    TensorView ov = MakeView(out.data(), DType::kF32, {D, 1, 4});
+    TensorView rv = MakeView(ref.data(), DType::kF32, {D, 1, 4});
+    ASSERT_TRUE(Attend(qv, hist, AttentionParams{}, &ov).ok());
+    kernels::AttentionKernelParams kp;
+    kp.scale = 0.125f;
+    kernels::AttentionRef(qv, hist.k, hist.v, hist.mask, kp, &rv);
+    for (int i = 0; i < D * 4; ++i) EXPECT_NEAR(out[i], ref[i], 2e-5);
+  }
+}
+
+}  // namespace
+}  // namespace kv
