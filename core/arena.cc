@@ -17,7 +17,9 @@ void SystemRelease(void* p, void*) { std::free(p); }
 
 }  // namespace
 
-ArenaAllocator SystemAllocator() { return ArenaAllocator{&SystemAllocate, &SystemRelease, nullptr}; }
+ArenaAllocator SystemAllocator() {
+  return ArenaAllocator{&SystemAllocate, &SystemRelease, nullptr};
+}
 
 Status Arena::Reserve(size_t bytes) {
   if (!regions_.empty() && !regions_.front().owned) {
@@ -27,7 +29,8 @@ Status Arena::Reserve(size_t bytes) {
   if (bytes == 0) return Status::Ok();
   regions_.reserve(regions_.size() + 1);  // may allocate; do it before taking the region
   void* p = allocator_.allocate(bytes, allocator_.ctx);
-  if (p == nullptr) return Status::Error(Code::kOutOfMemory, "arena: cannot allocate %zu bytes", bytes);
+  if (p == nullptr)
+    return Status::Error(Code::kOutOfMemory, "arena: cannot allocate %zu bytes", bytes);
   regions_.push_back(Region{static_cast<char*>(p), bytes, 0, true});
   reserved_ += bytes;
   return Status::Ok();
@@ -35,10 +38,12 @@ Status Arena::Reserve(size_t bytes) {
 
 Status Arena::UseBuffer(void* buffer, size_t bytes) {
   if (used_ != 0 || !regions_.empty()) {
-    return Status::Error(Code::kInvalidArgument, "arena: caller buffer must be set before any allocation");
+    return Status::Error(Code::kInvalidArgument,
+                         "arena: caller buffer must be set before any allocation");
   }
   if (buffer == nullptr || reinterpret_cast<uintptr_t>(buffer) % kBlockAlign != 0) {
-    return Status::Error(Code::kInvalidArgument, "arena: caller buffer must be non-null and 64-byte aligned");
+    return Status::Error(Code::kInvalidArgument,
+                         "arena: caller buffer must be non-null and 64-byte aligned");
   }
   regions_.push_back(Region{static_cast<char*>(buffer), bytes, 0, false});
   reserved_ = bytes;

@@ -72,7 +72,8 @@ struct EncoderOptions {
   // false (as Ollama): one encoder block shared by every sequence; Remove ignores which sequence.
   // true: one block per sequence, selected by the batch's sequence; every batch must then hold
   // tokens of one sequence only (else StartForward is kInvalidArgument), and CopyPrefix copies the
-  // source's encoder data when its multimodal position lies inside the prefix.
+  // source's encoder data when its multimodal position lies inside the prefix. EncoderCached(),
+  // Put and Get refer to the sequence of the last StartForward.
   bool per_sequence = false;
 };
 std::unique_ptr<EncoderCache> NewEncoderCache(const EncoderOptions& options);

@@ -7,12 +7,18 @@ namespace kv {
 
 const char* CodeName(Code code) {
   switch (code) {
-    case Code::kOk: return "ok";
-    case Code::kCacheFull: return "cache full";
-    case Code::kNotSupported: return "not supported";
-    case Code::kInvalidArgument: return "invalid argument";
-    case Code::kOutOfMemory: return "out of memory";
-    case Code::kCorrupt: return "corrupt";
+    case Code::kOk:
+      return "ok";
+    case Code::kCacheFull:
+      return "cache full";
+    case Code::kNotSupported:
+      return "not supported";
+    case Code::kInvalidArgument:
+      return "invalid argument";
+    case Code::kOutOfMemory:
+      return "out of memory";
+    case Code::kCorrupt:
+      return "corrupt";
   }
   return "unknown";
 }

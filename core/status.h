@@ -6,7 +6,14 @@
 
 namespace kv {
 
-enum class Code : uint8_t { kOk, kCacheFull, kNotSupported, kInvalidArgument, kOutOfMemory, kCorrupt };
+enum class Code : uint8_t {
+  kOk,
+  kCacheFull,
+  kNotSupported,
+  kInvalidArgument,
+  kOutOfMemory,
+  kCorrupt
+};
 
 const char* CodeName(Code code);
 
@@ -29,9 +36,9 @@ class [[nodiscard]] Status {
 };
 
 // Shorthands for the common codes.
-#define KV_RETURN_IF_ERROR(expr)          \
-  do {                                    \
-    ::kv::Status kv_status_ = (expr);     \
+#define KV_RETURN_IF_ERROR(expr)             \
+  do {                                       \
+    ::kv::Status kv_status_ = (expr);        \
     if (!kv_status_.ok()) return kv_status_; \
   } while (0)
 

@@ -16,9 +16,10 @@ inline constexpr int32_t kPosMax = INT32_MAX;  // "to the end" in Remove
 
 // One forward pass's tokens. The spans are borrowed for the duration of the call.
 struct Batch {
-  std::span<const int32_t> positions;   // one per token: its position inside its own sequence
-  std::span<const int32_t> sequences;   // one per token: sequence id in [0, max_sequences)
-  std::span<const int32_t> multimodal;  // batch indices of tokens that carry encoder input; may be empty
+  std::span<const int32_t> positions;  // one per token: its position inside its own sequence
+  std::span<const int32_t> sequences;  // one per token: sequence id in [0, max_sequences)
+  std::span<const int32_t>
+      multimodal;  // batch indices of tokens that carry encoder input; may be empty
 };
 
 // How many keys a sliding window of W shows (SEMANTICS.md section 4).
@@ -28,8 +29,8 @@ enum class WindowConvention : uint8_t {
 };
 
 struct CacheConfig {
-  int32_t padding = 1;            // history length and cell count are multiples of this
-  bool permuted_v = false;        // V stored and returned as [cells, v_head_dim, kv_heads]
+  int32_t padding = 1;             // history length and cell count are multiples of this
+  bool permuted_v = false;         // V stored and returned as [cells, v_head_dim, kv_heads]
   DType mask_dtype = DType::kF32;  // kF32 or kF16
   // Beyond Ollama:
   WindowConvention window_convention = WindowConvention::kOllama;

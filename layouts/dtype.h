@@ -27,11 +27,16 @@ constexpr bool IsFloatDType(DType t) {
 
 constexpr const char* DTypeName(DType t) {
   switch (t) {
-    case DType::kF32: return "f32";
-    case DType::kF16: return "f16";
-    case DType::kBF16: return "bf16";
-    case DType::kQ8_0: return "q8_0";
-    case DType::kQ4_0: return "q4_0";
+    case DType::kF32:
+      return "f32";
+    case DType::kF16:
+      return "f16";
+    case DType::kBF16:
+      return "bf16";
+    case DType::kQ8_0:
+      return "q8_0";
+    case DType::kQ4_0:
+      return "q4_0";
   }
   return "invalid";
 }
@@ -42,11 +47,16 @@ constexpr int64_t BlockElems(DType t) { return IsQuantized(t) ? kQuantBlockElems
 // Bytes per storage block (for float types: per element).
 constexpr size_t BlockBytes(DType t) {
   switch (t) {
-    case DType::kF32: return 4;
-    case DType::kF16: return 2;
-    case DType::kBF16: return 2;
-    case DType::kQ8_0: return 34;
-    case DType::kQ4_0: return 18;
+    case DType::kF32:
+      return 4;
+    case DType::kF16:
+      return 2;
+    case DType::kBF16:
+      return 2;
+    case DType::kQ8_0:
+      return 34;
+    case DType::kQ4_0:
+      return 18;
   }
   return 0;
 }
@@ -112,7 +122,8 @@ inline float F16ToF32(uint16_t h) {
 // bfloat16, round to nearest even (Highway 1.0.3's DemoteTo truncates; kernels must not use it).
 inline uint16_t F32ToBF16(float f) {
   const uint32_t x = F32Bits(f);
-  if ((x & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((x >> 16) | 0x40u);  // quiet NaN
+  if ((x & 0x7FFFFFFFu) > 0x7F800000u)
+    return static_cast<uint16_t>((x >> 16) | 0x40u);  // quiet NaN
   return static_cast<uint16_t>((x + 0x7FFFu + ((x >> 16) & 1u)) >> 16);
 }
 
@@ -121,20 +132,31 @@ inline float BF16ToF32(uint16_t b) { return F32FromBits(static_cast<uint32_t>(b)
 // Reads element i of a contiguous float-typed row (f32, f16 or bf16) as f32.
 inline float LoadAsF32(const void* row, DType t, int64_t i) {
   switch (t) {
-    case DType::kF32: return static_cast<const float*>(row)[i];
-    case DType::kF16: return F16ToF32(static_cast<const uint16_t*>(row)[i]);
-    case DType::kBF16: return BF16ToF32(static_cast<const uint16_t*>(row)[i]);
-    default: return 0.0f;  // quantized rows are read block-wise (layouts/quant.h)
+    case DType::kF32:
+      return static_cast<const float*>(row)[i];
+    case DType::kF16:
+      return F16ToF32(static_cast<const uint16_t*>(row)[i]);
+    case DType::kBF16:
+      return BF16ToF32(static_cast<const uint16_t*>(row)[i]);
+    default:
+      return 0.0f;  // quantized rows are read block-wise (layouts/quant.h)
   }
 }
 
 // Writes element i of a contiguous float-typed row from f32 (rounding to nearest even).
 inline void StoreFromF32(void* row, DType t, int64_t i, float v) {
   switch (t) {
-    case DType::kF32: static_cast<float*>(row)[i] = v; break;
-    case DType::kF16: static_cast<uint16_t*>(row)[i] = F32ToF16(v); break;
-    case DType::kBF16: static_cast<uint16_t*>(row)[i] = F32ToBF16(v); break;
-    default: break;
+    case DType::kF32:
+      static_cast<float*>(row)[i] = v;
+      break;
+    case DType::kF16:
+      static_cast<uint16_t*>(row)[i] = F32ToF16(v);
+      break;
+    case DType::kBF16:
+      static_cast<uint16_t*>(row)[i] = F32ToBF16(v);
+      break;
+    default:
+      break;
   }
 }
 

@@ -28,7 +28,9 @@ namespace kv {
 
 inline constexpr size_t kBlockAlign = 64;
 
-constexpr size_t RoundUp(size_t n, size_t multiple) { return (n + multiple - 1) / multiple * multiple; }
+constexpr size_t RoundUp(size_t n, size_t multiple) {
+  return (n + multiple - 1) / multiple * multiple;
+}
 
 struct CellBlockLayout {
   DType dtype = DType::kF32;
@@ -36,16 +38,17 @@ struct CellBlockLayout {
   int32_t kv_heads = 0;
   int32_t cells = 0;
   bool cells_fastest = false;  // permuted V
-  size_t row_bytes = 0;        // plain: bytes of one (head, cell) row; cells fastest: bytes of one (head, dim) line
-  size_t row_stride = 0;       // plain: bytes between cells of one head; cells fastest: between dims
-  size_t head_stride = 0;      // bytes between heads (a multiple of 64)
-  size_t bytes = 0;            // the whole block (a multiple of 64)
+  // plain: bytes of one (head, cell) row; cells fastest: bytes of one (head, dim) line of cells
+  size_t row_bytes = 0;
+  size_t row_stride = 0;   // plain: bytes between cells of one head; cells fastest: between dims
+  size_t head_stride = 0;  // bytes between heads (a multiple of 64)
+  size_t bytes = 0;        // the whole block (a multiple of 64)
 };
 
 // Preconditions: head_dim > 0, kv_heads > 0, cells > 0; quantized: head_dim % 32 == 0 and not
 // cells_fastest. Checked by the caller (core validates before it builds a layout).
-inline CellBlockLayout MakeCellBlockLayout(DType dtype, int32_t head_dim, int32_t kv_heads, int32_t cells,
-                                           bool cells_fastest) {
+inline CellBlockLayout MakeCellBlockLayout(DType dtype, int32_t head_dim, int32_t kv_heads,
+                                           int32_t cells, bool cells_fastest) {
   CellBlockLayout l;
   l.dtype = dtype;
   l.head_dim = head_dim;
@@ -71,7 +74,8 @@ inline size_t CellRowOffset(const CellBlockLayout& l, int32_t cell, int32_t head
 }
 
 // Byte offset of element (head, dim, cell) in a cells-fastest block.
-inline size_t CellsFastestOffset(const CellBlockLayout& l, int32_t cell, int32_t head, int32_t dim) {
+inline size_t CellsFastestOffset(const CellBlockLayout& l, int32_t cell, int32_t head,
+                                 int32_t dim) {
   return static_cast<size_t>(head) * l.head_stride + static_cast<size_t>(dim) * l.row_stride +
          static_cast<size_t>(cell) * BlockBytes(l.dtype);
 }
@@ -107,19 +111,19 @@ inline TensorView CellBlockView(const CellBlockLayout& l, void* block, int32_t f
 // [B, H, T, D] block of the growing/rotating caches; `capacity` tokens per (b, h).
 struct SequenceBlockLayout {
   DType dtype = DType::kF32;
-  int32_t head_dim = 0;  // D
-  int32_t heads = 0;     // H
-  int32_t batch = 0;     // B
-  int32_t capacity = 0;  // T held at most
-  size_t row_bytes = 0;  // one token's D elements
-  size_t row_stride = 0; // between tokens (packed for quantized, else padded to 64 like cell rows)
+  int32_t head_dim = 0;   // D
+  int32_t heads = 0;      // H
+  int32_t batch = 0;      // B
+  int32_t capacity = 0;   // T held at most
+  size_t row_bytes = 0;   // one token's D elements
+  size_t row_stride = 0;  // between tokens (packed for quantized, else padded to 64 like cell rows)
   size_t head_stride = 0;
   size_t batch_stride = 0;
   size_t bytes = 0;
 };
 
-inline SequenceBlockLayout MakeSequenceBlockLayout(DType dtype, int32_t head_dim, int32_t heads, int32_t batch,
-                                                   int32_t capacity) {
+inline SequenceBlockLayout MakeSequenceBlockLayout(DType dtype, int32_t head_dim, int32_t heads,
+                                                   int32_t batch, int32_t capacity) {
   SequenceBlockLayout l;
   l.dtype = dtype;
   l.head_dim = head_dim;
@@ -140,13 +144,15 @@ inline size_t SequenceRowOffset(const SequenceBlockLayout& l, int32_t b, int32_t
 }
 
 // Bytes of `count` consecutive tokens of one (b, h), padding included: the run starting at
-// SequenceRowOffset(l, b, h, t) is one memmove of this many bytes (rows of a head are back to back).
+// SequenceRowOffset(l, b, h, t) is one memmove of this many bytes (rows of a head are back to
+// back).
 inline size_t SequenceRunBytes(const SequenceBlockLayout& l, int32_t count) {
   return static_cast<size_t>(count) * l.row_stride;
 }
 
 // View of tokens [first, first + n) of every (b, h): ne = {D, n, H, B}.
-inline TensorView SequenceBlockView(const SequenceBlockLayout& l, void* block, int32_t first, int32_t n) {
+inline TensorView SequenceBlockView(const SequenceBlockLayout& l, void* block, int32_t first,
+                                    int32_t n) {
   TensorView v;
   v.data = static_cast<char*>(block) + SequenceRowOffset(l, 0, 0, first);
   v.dtype = l.dtype;

@@ -78,9 +78,11 @@ inline void DequantizeBlockQ4_0(const BlockQ4_0* b, float* out) {
 // Precondition: n % BlockElems(t) == 0.
 inline void StoreRowFromF32(const float* src, int64_t n, DType t, void* dst) {
   if (t == DType::kQ8_0) {
-    for (int64_t b = 0; b < n / 32; ++b) QuantizeBlockQ8_0(src + 32 * b, static_cast<BlockQ8_0*>(dst) + b);
+    for (int64_t b = 0; b < n / 32; ++b)
+      QuantizeBlockQ8_0(src + 32 * b, static_cast<BlockQ8_0*>(dst) + b);
   } else if (t == DType::kQ4_0) {
-    for (int64_t b = 0; b < n / 32; ++b) QuantizeBlockQ4_0(src + 32 * b, static_cast<BlockQ4_0*>(dst) + b);
+    for (int64_t b = 0; b < n / 32; ++b)
+      QuantizeBlockQ4_0(src + 32 * b, static_cast<BlockQ4_0*>(dst) + b);
   } else {
     for (int64_t i = 0; i < n; ++i) StoreFromF32(dst, t, i, src[i]);
   }
@@ -89,9 +91,11 @@ inline void StoreRowFromF32(const float* src, int64_t n, DType t, void* dst) {
 // Reads a contiguous row of n elements in any storage dtype as f32 (scalar reference).
 inline void LoadRowAsF32(const void* src, int64_t n, DType t, float* dst) {
   if (t == DType::kQ8_0) {
-    for (int64_t b = 0; b < n / 32; ++b) DequantizeBlockQ8_0(static_cast<const BlockQ8_0*>(src) + b, dst + 32 * b);
+    for (int64_t b = 0; b < n / 32; ++b)
+      DequantizeBlockQ8_0(static_cast<const BlockQ8_0*>(src) + b, dst + 32 * b);
   } else if (t == DType::kQ4_0) {
-    for (int64_t b = 0; b < n / 32; ++b) DequantizeBlockQ4_0(static_cast<const BlockQ4_0*>(src) + b, dst + 32 * b);
+    for (int64_t b = 0; b < n / 32; ++b)
+      DequantizeBlockQ4_0(static_cast<const BlockQ4_0*>(src) + b, dst + 32 * b);
   } else {
     for (int64_t i = 0; i < n; ++i) dst[i] = LoadAsF32(src, t, i);
   }

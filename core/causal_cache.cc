@@ -1,0 +1,668 @@
+// The causal family (causal, SWA, SWA with memory, chunked) over one CellTable, one Arena and the
+// kernels. Behaviour: SEMANTICS.md sections 1-8; the comments cite the rule they implement.
+//
+// Every public call validates first and mutates after: an error leaves the cache as it was. The
+// one exception is a ShiftFn that fails part-way through Remove (keys already re-rotated cannot be
+// un-rotated exactly in quantized storage); that is documented on Remove.
+#include <algorithm>
+#include <climits>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <vector>
+
+#include "core/arena.h"
+#include "core/cache.h"
+#include "core/cell_table.h"
+#include "kernels/convert.h"
+#include "kernels/mask.h"
+#include "layouts/kv_layout.h"
+
+namespace kv {
+namespace {
+
+constexpr int32_t kUnlimited = INT32_MAX;
+constexpr int kMaxLayers = 4096;
+
+struct LayerStorage {
+  bool allocated = false;
+  CellBlockLayout k_layout;
+  CellBlockLayout v_layout;
+  void* k = nullptr;
+  void* v = nullptr;
+};
+
+class CausalCacheImpl final : public CausalCache {
+ public:
+  CausalCacheImpl(int32_t window, int32_t memory, int32_t chunk, ShiftFn shift)
+      : requested_window_(window),
+        requested_memory_(memory),
+        chunk_(chunk),
+        shift_(std::move(shift)) {}
+
+  Status SetConfig(const CacheConfig& config) override;
+  Status Init(DType dtype, int max_sequences, int capacity, int max_batch) override;
+  Status StartForward(const Batch& batch, bool reserve) override;
+  void SetLayer(int layer) override { layer_ = layer; }
+  Status Put(const TensorView& key, const TensorView& value) override;
+  History Get() override;
+  Status CopyPrefix(int src_seq, int dst_seq, int32_t len) override;
+  bool CanResume(int seq, int32_t pos) const override;
+  Status Remove(int seq, int32_t begin, int32_t end) override;
+  void Close() override;
+  size_t MemoryBytes() const override;
+
+  void SetCausal(std::span<const int32_t> except) override;
+  Status ReserveLayers(int layers, int k_head_dim, int v_head_dim, int kv_heads) override;
+  int32_t NumCells() const override { return initialized_ ? table_.num_cells() : 0; }
+  Status CheckConsistency() const override { return table_.CheckInvariants(); }
+
+ private:
+  bool MemoryLimited() const { return memory_ != kUnlimited; }
+  Status ValidateLayerShapes(const LayerStorage& layer, int64_t k_head_dim, int64_t v_head_dim,
+                             int64_t kv_heads) const;
+  Status AllocateLayer(LayerStorage* layer, int32_t k_head_dim, int32_t v_head_dim,
+                       int32_t kv_heads);
+  Status EnsureMaskCapacity(size_t elements);
+  void BuildMask();
+  // Window trimming (SEMANTICS.md §3.2), computed without mutating: per sequence, the position
+  // below which its cells are dropped (INT64_MIN: none). Marks cells that would become free.
+  void PlanTrim(std::span<const int32_t> positions, std::span<const int32_t> sequences);
+  void ClearTrimPlan();
+
+  // Construction parameters (Init derives the effective ones).
+  int32_t requested_window_;
+  int32_t requested_memory_;
+  int32_t chunk_;
+  ShiftFn shift_;
+  CacheConfig config_;
+
+  // After Init.
+  bool initialized_ = false;
+  DType dtype_ = DType::kF16;
+  int32_t max_sequences_ = 0;
+  int32_t capacity_ = 0;
+  int32_t max_batch_ = 0;
+  int32_t window_ = kUnlimited;
+  int32_t memory_ = kUnlimited;
+  CellTable table_;
+  Arena arena_;
+  std::vector<LayerStorage> layers_;
+  int layer_ = 0;
+
+  // The current forward pass.
+  bool have_batch_ = false;
+  bool reserve_ = false;
+  int32_t batch_size_ = 0;
+  std::vector<int32_t> batch_pos_;     // [max_batch]
+  std::vector<int32_t> batch_seq_;     // [max_batch]
+  std::vector<uint8_t> batch_causal_;  // [max_batch]: 1 = causal rule applies
+  std::vector<int32_t> batch_cells_;   // [max_batch]: target cell of each token
+  int32_t hist_min_ = 0;               // history range [hist_min_, hist_max_], padded
+  int32_t hist_max_ = -1;
+  // [B][L] mask, f32 or f16 (then the first half of the bytes). Raw so that running out of memory
+  // is a Status, not an abort.
+  struct FreeDeleter {
+    void operator()(void* p) const { std::free(p); }
+  };
+  std::unique_ptr<float[], FreeDeleter> mask_;
+  size_t mask_capacity_ = 0;  // elements
+
+  // Scratch, sized at Init so StartForward and Remove never allocate.
+  std::vector<int64_t> trim_below_;       // [max_sequences]
+  std::vector<int64_t> lowest_;           // [max_sequences]
+  std::vector<uint8_t> seq_in_batch_;     // [max_sequences]
+  std::vector<uint64_t> would_free_;      // like free_bits
+  std::vector<int32_t> would_free_list_;  // cells set in would_free_
+  int32_t would_free_count_ = 0;
+  int32_t would_free_first_ = INT32_MAX;
+  std::vector<int32_t> shift_deltas_;  // [max_batch]
+  std::vector<int32_t> slots_;         // [max_batch]
+};
+
+Status CausalCacheImpl::SetConfig(const CacheConfig& config) {
+  if (initialized_) return Status::Error(Code::kInvalidArgument, "SetConfig must come before Init");
+  if (config.padding < 1)
+    return Status::Error(Code::kInvalidArgument, "padding %d < 1", config.padding);
+  if (config.mask_dtype != DType::kF32 && config.mask_dtype != DType::kF16) {
+    return Status::Error(Code::kInvalidArgument, "mask dtype must be f32 or f16, not %s",
+                         DTypeName(config.mask_dtype));
+  }
+  config_ = config;
+  return Status::Ok();
+}
+
+Status CausalCacheImpl::Init(DType dtype, int max_sequences, int capacity, int max_batch) {
+  // SEMANTICS.md §1. Everything is computed into locals first; nothing changes on error.
+  if (!IsValidDType(dtype)) return Status::Error(Code::kInvalidArgument, "invalid storage dtype");
+  if (max_sequences < 1 || capacity < 1 || max_batch < 1) {
+    return Status::Error(Code::kInvalidArgument,
+                         "max_sequences %d, capacity %d, max_batch %d must be >= 1", max_sequences,
+                         capacity, max_batch);
+  }
+  if (IsQuantized(dtype) && config_.permuted_v) {
+    return Status::Error(Code::kInvalidArgument, "%s storage cannot be used with permuted V",
+                         DTypeName(dtype));
+  }
+  if (requested_window_ < 0 || requested_memory_ < 0 || chunk_ < 0) {
+    return Status::Error(Code::kInvalidArgument, "window %d, memory %d, chunk %d must be >= 0",
+                         requested_window_, requested_memory_, chunk_);
+  }
+  int32_t window = requested_window_ == 0 ? kUnlimited : requested_window_;
+  int32_t memory = requested_memory_ == 0 ? window : requested_memory_;
+  if (memory != kUnlimited && max_sequences > 1)
+    memory = std::max(memory, window == kUnlimited ? window : window + 1);
+  if (memory >= capacity) memory = kUnlimited;
+  if (memory < window) {
+    return Status::Error(Code::kInvalidArgument,
+                         "sliding window memory %d must be at least the window %d", memory, window);
+  }
+  int64_t cells = memory == kUnlimited ? int64_t{max_sequences} * capacity
+                                       : int64_t{max_sequences} * memory + max_batch;
+  cells = (cells + config_.padding - 1) / config_.padding * config_.padding;
+  if (cells > INT32_MAX / 2)
+    return Status::Error(Code::kInvalidArgument, "%lld cells is too many", (long long)cells);
+
+  Close();
+  KV_RETURN_IF_ERROR(table_.Init(static_cast<int32_t>(cells), max_sequences));
+  dtype_ = dtype;
+  max_sequences_ = max_sequences;
+  capacity_ = capacity;
+  max_batch_ = max_batch;
+  window_ = window;
+  memory_ = memory;
+  batch_pos_.assign(max_batch, 0);
+  batch_seq_.assign(max_batch, 0);
+  batch_causal_.assign(max_batch, 1);
+  batch_cells_.assign(max_batch, 0);
+  trim_below_.assign(max_sequences, INT64_MIN);
+  lowest_.assign(max_sequences, 0);
+  seq_in_batch_.assign(max_sequences, 0);
+  would_free_.assign(table_.free_bits().size(), 0);
+  would_free_list_.assign(cells, 0);
+  shift_deltas_.assign(max_batch, 0);
+  slots_.assign(max_batch, 0);
+  // One mask row over every cell: a decode step (B = 1) never grows the mask buffer.
+  mask_.reset();
+  mask_capacity_ = 0;
+  KV_RETURN_IF_ERROR(EnsureMaskCapacity(static_cast<size_t>(cells)));
+  layers_.reserve(64);
+  initialized_ = true;
+  return Status::Ok();
+}
+
+void CausalCacheImpl::Close() {
+  initialized_ = false;
+  have_batch_ = false;
+  layers_.clear();
+  arena_.Release();
+  layer_ = 0;
+}
+
+size_t CausalCacheImpl::MemoryBytes() const {
+  if (!initialized_) return 0;
+  const size_t n = static_cast<size_t>(table_.num_cells());
+  const size_t table_bytes = n * (4 + 4 + 8 * static_cast<size_t>(table_.seq_words())) + n / 8;
+  return arena_.BytesReserved() + mask_capacity_ * sizeof(float) + table_bytes;
+}
+
+Status CausalCacheImpl::EnsureMaskCapacity(size_t elements) {
+  // Grows only for a larger batch x history than any seen before: decode (B = 1) never grows it
+  // (Init sizes one row over every cell), and a reserve pass sizes it for the worst case at once.
+  if (elements <= mask_capacity_) return Status::Ok();
+  float* p = static_cast<float*>(std::malloc(elements * sizeof(float)));
+  if (p == nullptr)
+    return Status::Error(Code::kOutOfMemory, "mask: cannot allocate %zu floats", elements);
+  mask_.reset(p);
+  mask_capacity_ = elements;
+  return Status::Ok();
+}
+
+void CausalCacheImpl::ClearTrimPlan() {
+  for (int32_t i = 0; i < would_free_count_; ++i) would_free_[would_free_list_[i] / 64] = 0;
+  would_free_count_ = 0;
+  would_free_first_ = INT32_MAX;
+}
+
+void CausalCacheImpl::PlanTrim(std::span<const int32_t> positions,
+                               std::span<const int32_t> sequences) {
+  // lowest[s]: the smallest batch position for batch sequences; highest stored position + 1 for
+  // every other sequence that holds cells. Cells with pos < lowest - memory drop s.
+  for (int32_t s = 0; s < max_sequences_; ++s) {
+    seq_in_batch_[s] = 0;
+    trim_below_[s] = INT64_MIN;
+  }
+  for (size_t i = 0; i < positions.size(); ++i) {
+    const int32_t s = sequences[i];
+    if (!seq_in_batch_[s]) {
+      seq_in_batch_[s] = 1;
+      lowest_[s] = positions[i];
+    } else {
+      lowest_[s] = std::min<int64_t>(lowest_[s], positions[i]);
+    }
+  }
+  for (int32_t s = 0; s < max_sequences_; ++s) {
+    if (table_.SeqEmpty(s)) continue;
+    if (!seq_in_batch_[s]) lowest_[s] = int64_t{table_.max_pos(s)} + 1;
+    trim_below_[s] = lowest_[s] - memory_;
+  }
+  // A cell becomes free when every holder drops it, i.e. pos < min over holders of trim_below.
+  for (int32_t s = 0; s < max_sequences_; ++s) {
+    if (table_.SeqEmpty(s) || table_.min_pos(s) >= trim_below_[s]) continue;
+    for (int32_t c = table_.first_cell(s); c <= table_.last_cell(s); ++c) {
+      if (!table_.Holds(c, s) || table_.pos(c) >= trim_below_[s]) continue;
+      if ((would_free_[c / 64] >> (c % 64)) & 1u) continue;
+      bool all_drop = true;
+      if (table_.holders(c) > 1) {
+        for (int32_t t = 0; t < max_sequences_ && all_drop; ++t) {
+          if (t != s && table_.Holds(c, t) && table_.pos(c) >= trim_below_[t]) all_drop = false;
+        }
+      }
+      if (all_drop) {
+        would_free_[c / 64] |= uint64_t{1} << (c % 64);
+        would_free_list_[would_free_count_++] = c;
+        would_free_first_ = std::min(would_free_first_, c);
+      }
+    }
+  }
+}
+
+Status CausalCacheImpl::StartForward(const Batch& batch, bool reserve) {
+  if (!initialized_) return Status::Error(Code::kInvalidArgument, "StartForward before Init");
+  const size_t b = batch.positions.size();
+  if (b != batch.sequences.size()) {
+    return Status::Error(Code::kInvalidArgument, "batch has %zu positions but %zu sequences", b,
+                         batch.sequences.size());
+  }
+  if (b < 1 || b > static_cast<size_t>(max_batch_)) {
+    return Status::Error(Code::kInvalidArgument, "batch size %zu outside [1, %d]", b, max_batch_);
+  }
+  for (size_t i = 0; i < b; ++i) {
+    if (batch.sequences[i] < 0 || batch.sequences[i] >= max_sequences_) {
+      return Status::Error(Code::kInvalidArgument, "token %zu: sequence %d outside [0, %d)", i,
+                           batch.sequences[i], max_sequences_);
+    }
+  }
+  const int32_t n_cells = table_.num_cells();
+  if (reserve) {
+    // SEMANTICS.md §3.1: cells 0..B-1, the whole table as history, no metadata change.
+    KV_RETURN_IF_ERROR(EnsureMaskCapacity(b * static_cast<size_t>(n_cells)));
+    batch_size_ = static_cast<int32_t>(b);
+    for (size_t i = 0; i < b; ++i) {
+      batch_pos_[i] = batch.positions[i];
+      batch_seq_[i] = batch.sequences[i];
+      batch_causal_[i] = 1;
+      batch_cells_[i] = static_cast<int32_t>(i);
+    }
+    reserve_ = true;
+    have_batch_ = true;
+    hist_min_ = 0;
+    hist_max_ = n_cells - 1;
+    BuildMask();
+    return Status::Ok();
+  }
+
+  // Plan (reads only): which cells trimming would free, then the first B free cells counting those.
+  const int32_t bs = static_cast<int32_t>(b);
+  const std::span<const int32_t> positions = batch.positions;
+  const std::span<const int32_t> sequences = batch.sequences;
+  if (MemoryLimited()) PlanTrim(positions, sequences);
+  const std::span<const uint64_t> also_free =
+      MemoryLimited() ? std::span<const uint64_t>(would_free_) : std::span<const uint64_t>();
+  const int32_t found = table_.FindFree(bs, also_free, would_free_first_, slots_.data());
+  if (found < bs) {
+    // SEMANTICS.md §3.3: kCacheFull and the cache exactly as before (Ollama trims first; we do
+    // not). The previous pass's batch, history and mask are untouched too.
+    ClearTrimPlan();
+    return Status::Error(Code::kCacheFull,
+                         "could not find a kv cache slot: %d cells, %d free, batch %d", n_cells,
+                         found, bs);
+  }
+  // The history range (§3.2 / unlimited: union of ranges), also computed before any change: cells
+  // of batch sequences that trimming keeps and that the window shows. Trimming drops only cells
+  // with pos < lowest - memory <= lowest - window, so none of these is dropped.
+  int64_t hmin = INT64_MAX, hmax = -1;
+  for (int32_t i = 0; i < bs; ++i) {
+    const int32_t s = sequences[i];
+    if (table_.SeqEmpty(s)) continue;
+    if (!MemoryLimited()) {
+      hmin = std::min<int64_t>(hmin, table_.first_cell(s));
+      hmax = std::max<int64_t>(hmax, table_.last_cell(s));
+    } else if (seq_in_batch_[s] == 1) {
+      seq_in_batch_[s] = 2;  // scanned
+      const int64_t visible_from = lowest_[s] - window_;
+      for (int32_t c = table_.first_cell(s); c <= table_.last_cell(s); ++c) {
+        if (table_.Holds(c, s) && table_.pos(c) >= visible_from) {
+          hmin = std::min<int64_t>(hmin, c);
+          hmax = std::max<int64_t>(hmax, c);
+        }
+      }
+    }
+  }
+  for (int32_t i = 0; i < bs; ++i) {
+    hmin = std::min<int64_t>(hmin, slots_[i]);
+    hmax = std::max<int64_t>(hmax, slots_[i]);
+  }
+  // §3.5: pad the history range outward.
+  const int64_t p = config_.padding;
+  const int32_t new_min = static_cast<int32_t>(hmin / p * p);
+  const int32_t new_max = static_cast<int32_t>((hmax + 1 + p - 1) / p * p - 1);
+  if (Status s = EnsureMaskCapacity(static_cast<size_t>(new_max - new_min + 1) * bs); !s.ok()) {
+    ClearTrimPlan();
+    return s;
+  }
+
+  // Commit: trim (§3.2), then give each token its cell (§3.4).
+  if (MemoryLimited()) {
+    for (int32_t s = 0; s < max_sequences_; ++s) {
+      if (table_.SeqEmpty(s) || table_.min_pos(s) >= trim_below_[s]) continue;
+      for (int32_t c = table_.first_cell(s); c <= table_.last_cell(s); ++c) {
+        if (table_.Holds(c, s) && table_.pos(c) < trim_below_[s]) table_.Drop(c, s);
+      }
+      table_.Refresh(s);
+    }
+    ClearTrimPlan();
+  }
+  batch_size_ = bs;
+  for (int32_t i = 0; i < bs; ++i) {
+    batch_pos_[i] = positions[i];
+    batch_seq_[i] = sequences[i];
+    batch_cells_[i] = slots_[i];
+    batch_causal_[i] = 1;
+  }
+  for (int32_t i = 0; i < bs; ++i) table_.Assign(batch_cells_[i], batch_pos_[i], batch_seq_[i]);
+  hist_min_ = new_min;
+  hist_max_ = new_max;
+  reserve_ = false;
+  have_batch_ = true;
+  BuildMask();
+  return Status::Ok();
+}
+
+void CausalCacheImpl::BuildMask() {
+  kernels::MaskCells cells;
+  cells.pos = table_.pos_data() + hist_min_;
+  cells.seq_bits = table_.seq_bits_data() + hist_min_;
+  cells.seq_word_stride = static_cast<size_t>(table_.num_cells());
+  cells.n = hist_max_ - hist_min_ + 1;
+  kernels::MaskTokens tokens;
+  tokens.pos = std::span<const int32_t>(batch_pos_.data(), batch_size_);
+  tokens.seq = std::span<const int32_t>(batch_seq_.data(), batch_size_);
+  tokens.causal = std::span<const uint8_t>(batch_causal_.data(), batch_size_);
+  kernels::MaskRules rules;
+  rules.window = window_ == kUnlimited ? kernels::kNoWindow : window_;
+  rules.window_inclusive = config_.window_convention == WindowConvention::kInclusive;
+  rules.chunk = chunk_;
+  kernels::BuildMask(cells, tokens, rules, config_.mask_dtype, mask_.get());
+}
+
+void CausalCacheImpl::SetCausal(std::span<const int32_t> except) {
+  // Lifts only the causal rule for those batch indices, until the next StartForward (§4).
+  // Indices outside the batch are ignored.
+  if (!have_batch_) return;
+  for (int32_t i = 0; i < batch_size_; ++i) batch_causal_[i] = 1;
+  for (int32_t i : except) {
+    if (i >= 0 && i < batch_size_) batch_causal_[i] = 0;
+  }
+  BuildMask();
+}
+
+Status CausalCacheImpl::ValidateLayerShapes(const LayerStorage& layer, int64_t k_head_dim,
+                                            int64_t v_head_dim, int64_t kv_heads) const {
+  if (k_head_dim < 1 || v_head_dim < 1 || kv_heads < 1 || k_head_dim > INT32_MAX / 64 ||
+      v_head_dim > INT32_MAX / 64 || kv_heads > 65536) {
+    return Status::Error(Code::kInvalidArgument,
+                         "bad K/V shape: k_head_dim %lld, v_head_dim %lld, kv_heads %lld",
+                         (long long)k_head_dim, (long long)v_head_dim, (long long)kv_heads);
+  }
+  if (IsQuantized(dtype_) &&
+      (k_head_dim % kQuantBlockElems != 0 || v_head_dim % kQuantBlockElems != 0)) {
+    return Status::Error(Code::kInvalidArgument,
+                         "%s storage needs head_dim %% 32 == 0 (k %lld, v %lld)", DTypeName(dtype_),
+                         (long long)k_head_dim, (long long)v_head_dim);
+  }
+  if (layer.allocated &&
+      (layer.k_layout.head_dim != k_head_dim || layer.v_layout.head_dim != v_head_dim ||
+       layer.k_layout.kv_heads != kv_heads)) {
+    return Status::Error(Code::kInvalidArgument,
+                         "layer %d was [%d, %d] / [%d, %d], now [%lld, %lld] / [%lld, %lld]",
+                         layer_, layer.k_layout.head_dim, layer.k_layout.kv_heads,
+                         layer.v_layout.head_dim, layer.v_layout.kv_heads, (long long)k_head_dim,
+                         (long long)kv_heads, (long long)v_head_dim, (long long)kv_heads);
+  }
+  return Status::Ok();
+}
+
+Status CausalCacheImpl::AllocateLayer(LayerStorage* layer, int32_t k_head_dim, int32_t v_head_dim,
+                                      int32_t kv_heads) {
+  const int32_t n = table_.num_cells();
+  const CellBlockLayout kl = MakeCellBlockLayout(dtype_, k_head_dim, kv_heads, n, false);
+  const CellBlockLayout vl =
+      MakeCellBlockLayout(dtype_, v_head_dim, kv_heads, n, config_.permuted_v);
+  void* k = nullptr;
+  void* v = nullptr;
+  // K and V are carved together so that a failure leaves no half-allocated layer behind.
+  KV_RETURN_IF_ERROR(arena_.Allocate(kl.bytes + vl.bytes, &k));
+  v = static_cast<char*>(k) + kl.bytes;
+  layer->k_layout = kl;
+  layer->v_layout = vl;
+  layer->k = k;
+  layer->v = v;
+  layer->allocated = true;
+  return Status::Ok();
+}
+
+Status CausalCacheImpl::ReserveLayers(int layers, int k_head_dim, int v_head_dim, int kv_heads) {
+  if (!initialized_) return Status::Error(Code::kInvalidArgument, "ReserveLayers before Init");
+  if (layers < 1 || layers > kMaxLayers) {
+    return Status::Error(Code::kInvalidArgument, "layers %d outside [1, %d]", layers, kMaxLayers);
+  }
+  LayerStorage probe;
+  KV_RETURN_IF_ERROR(ValidateLayerShapes(probe, k_head_dim, v_head_dim, kv_heads));
+  const int32_t n = table_.num_cells();
+  const size_t per_layer =
+      MakeCellBlockLayout(dtype_, k_head_dim, kv_heads, n, false).bytes +
+      MakeCellBlockLayout(dtype_, v_head_dim, kv_heads, n, config_.permuted_v).bytes;
+  size_t needed = 0;
+  for (int l = 0; l < layers; ++l) {
+    if (l < static_cast<int>(layers_.size()) && layers_[l].allocated) {
+      KV_RETURN_IF_ERROR(ValidateLayerShapes(layers_[l], k_head_dim, v_head_dim, kv_heads));
+    } else {
+      needed += per_layer;
+    }
+  }
+  if (needed == 0) return Status::Ok();
+  KV_RETURN_IF_ERROR(arena_.Reserve(needed));
+  if (static_cast<int>(layers_.size()) < layers) layers_.resize(layers);
+  for (int l = 0; l < layers; ++l) {
+    if (!layers_[l].allocated) {
+      // Cannot fail: the region just reserved holds every one of them.
+      KV_RETURN_IF_ERROR(AllocateLayer(&layers_[l], k_head_dim, v_head_dim, kv_heads));
+    }
+  }
+  return Status::Ok();
+}
+
+Status CausalCacheImpl::Put(const TensorView& key, const TensorView& value) {
+  if (!initialized_) return Status::Error(Code::kInvalidArgument, "Put before Init");
+  if (!have_batch_) return Status::Error(Code::kInvalidArgument, "Put before StartForward");
+  if (layer_ < 0 || layer_ >= kMaxLayers) {
+    return Status::Error(Code::kInvalidArgument, "layer %d outside [0, %d)", layer_, kMaxLayers);
+  }
+  if (key.data == nullptr || value.data == nullptr)
+    return Status::Error(Code::kInvalidArgument, "null K or V");
+  if (!IsFloatDType(key.dtype) || !IsFloatDType(value.dtype)) {
+    return Status::Error(Code::kInvalidArgument, "K/V input must be f32, f16 or bf16 (got %s, %s)",
+                         DTypeName(key.dtype), DTypeName(value.dtype));
+  }
+  if (key.ne[3] != 1 || value.ne[3] != 1 || key.ne[2] != batch_size_ ||
+      value.ne[2] != batch_size_) {
+    return Status::Error(Code::kInvalidArgument, "K/V batch dims %lld/%lld, batch has %d tokens",
+                         (long long)key.ne[2], (long long)value.ne[2], batch_size_);
+  }
+  if (key.ne[1] != value.ne[1]) {
+    return Status::Error(Code::kInvalidArgument, "K has %lld kv heads, V has %lld",
+                         (long long)key.ne[1], (long long)value.ne[1]);
+  }
+  if (layer_ < static_cast<int>(layers_.size())) {
+    KV_RETURN_IF_ERROR(ValidateLayerShapes(layers_[layer_], key.ne[0], value.ne[0], key.ne[1]));
+  } else {
+    KV_RETURN_IF_ERROR(ValidateLayerShapes(LayerStorage(), key.ne[0], value.ne[0], key.ne[1]));
+  }
+  if (layer_ >= static_cast<int>(layers_.size())) layers_.resize(layer_ + 1);
+  LayerStorage& layer = layers_[layer_];
+  if (!layer.allocated) {
+    KV_RETURN_IF_ERROR(AllocateLayer(&layer, static_cast<int32_t>(key.ne[0]),
+                                     static_cast<int32_t>(value.ne[0]),
+                                     static_cast<int32_t>(key.ne[1])));
+  }
+  // A reserve pass sizes storage only: writing to cells 0..B-1 would clobber live tokens.
+  if (reserve_) return Status::Ok();
+  const std::span<const int32_t> cells(batch_cells_.data(), batch_size_);
+  kernels::ScatterToCells(key, cells, layer.k_layout, layer.k);
+  kernels::ScatterToCells(value, cells, layer.v_layout, layer.v);
+  return Status::Ok();
+}
+
+History CausalCacheImpl::Get() {
+  History h;
+  if (!initialized_ || !have_batch_) return h;
+  const int32_t len = hist_max_ - hist_min_ + 1;
+  h.mask.data = mask_.get();
+  h.mask.dtype = config_.mask_dtype;
+  h.mask.ne[0] = len;
+  h.mask.ne[1] = batch_size_;
+  h.mask.nb[0] = BlockBytes(config_.mask_dtype);
+  h.mask.nb[1] = h.mask.nb[0] * static_cast<size_t>(len);
+  h.mask.nb[2] = h.mask.nb[3] = h.mask.nb[1] * static_cast<size_t>(batch_size_);
+  if (layer_ >= 0 && layer_ < static_cast<int>(layers_.size()) && layers_[layer_].allocated) {
+    const LayerStorage& layer = layers_[layer_];
+    h.k = CellBlockView(layer.k_layout, layer.k, hist_min_, len);
+    h.v = CellBlockView(layer.v_layout, layer.v, hist_min_, len);
+  }
+  return h;
+}
+
+Status CausalCacheImpl::CopyPrefix(int src_seq, int dst_seq, int32_t len) {
+  if (!initialized_) return Status::Error(Code::kInvalidArgument, "CopyPrefix before Init");
+  if (src_seq < 0 || src_seq >= max_sequences_ || dst_seq < 0 || dst_seq >= max_sequences_) {
+    return Status::Error(Code::kInvalidArgument, "sequences %d -> %d outside [0, %d)", src_seq,
+                         dst_seq, max_sequences_);
+  }
+  if (src_seq == dst_seq) {
+    // The literal rule would empty the sequence; keeping its own prefix is what a caller means.
+    for (int32_t c = table_.first_cell(dst_seq); c <= table_.last_cell(dst_seq); ++c) {
+      if (table_.Holds(c, dst_seq) && table_.pos(c) >= len) table_.Drop(c, dst_seq);
+    }
+    table_.Refresh(dst_seq);
+    return Status::Ok();
+  }
+  // §6: dst loses every cell it held; then every cell of src with pos < len also belongs to dst.
+  for (int32_t c = table_.first_cell(dst_seq); c <= table_.last_cell(dst_seq); ++c) {
+    if (table_.Holds(c, dst_seq)) table_.Drop(c, dst_seq);
+  }
+  table_.Refresh(dst_seq);
+  if (!table_.SeqEmpty(src_seq)) {
+    for (int32_t c = table_.first_cell(src_seq); c <= table_.last_cell(src_seq); ++c) {
+      if (table_.Holds(c, src_seq) && table_.pos(c) < len) table_.Share(c, dst_seq);
+    }
+  }
+  return Status::Ok();
+}
+
+bool CausalCacheImpl::CanResume(int seq, int32_t pos) const {
+  // §7.
+  if (!initialized_) return false;
+  if (!MemoryLimited()) return true;
+  if (seq < 0 || seq >= max_sequences_ || table_.SeqEmpty(seq)) return false;
+  const int64_t window_start = std::max<int64_t>(0, int64_t{pos} - window_);
+  return window_start >= table_.min_pos(seq) && int64_t{pos} <= int64_t{table_.max_pos(seq)} + 1;
+}
+
+Status CausalCacheImpl::Remove(int seq, int32_t begin, int32_t end) {
+  // §8. All checks come before any change.
+  if (!initialized_) return Status::Error(Code::kInvalidArgument, "Remove before Init");
+  if (seq < 0 || seq >= max_sequences_) {
+    return Status::Error(Code::kInvalidArgument, "sequence %d outside [0, %d)", seq,
+                         max_sequences_);
+  }
+  if (begin < 0 || begin > end)
+    return Status::Error(Code::kInvalidArgument, "bad range [%d, %d)", begin, end);
+  if (table_.SeqEmpty(seq)) return Status::Ok();
+  const bool shifting = end != kPosMax && end > begin;
+  const int32_t offset = shifting ? begin - end : 0;
+  bool needs_shift = false;
+  if (shifting) {
+    for (int32_t c = table_.first_cell(seq); c <= table_.last_cell(seq); ++c) {
+      if (!table_.Holds(c, seq) || table_.pos(c) < end) continue;
+      if (table_.holders(c) > 1) {
+        return Status::Error(Code::kNotSupported,
+                             "cell %d (pos %d) must shift but is shared with another sequence", c,
+                             table_.pos(c));
+      }
+      needs_shift = true;
+    }
+    if (needs_shift && !shift_) {
+      return Status::Error(Code::kNotSupported,
+                           "removing [%d, %d) shifts later tokens, and the cache has no ShiftFn",
+                           begin, end);
+    }
+  }
+  for (int32_t c = table_.first_cell(seq); c <= table_.last_cell(seq); ++c) {
+    if (!table_.Holds(c, seq)) continue;
+    const int32_t p = table_.pos(c);
+    if (p >= begin && p < end) {
+      table_.Drop(c, seq);
+    } else if (needs_shift && p >= end) {
+      table_.SetPos(c, p + offset);
+    }
+  }
+  table_.Refresh(seq);
+  if (!needs_shift) return Status::Ok();
+
+  // Re-rotate the moved keys: walk seq's cell range in chunks of at most max_batch cells; within a
+  // chunk pass the span from the first to the last moved cell, delta 0 for cells in between that
+  // did not move. Moved cells are exactly those of seq now at pos >= begin.
+  const int32_t first = table_.first_cell(seq);
+  const int32_t last = table_.last_cell(seq);
+  for (int32_t start = first; start <= last; start += max_batch_) {
+    const int32_t size = std::min(last - start + 1, max_batch_);
+    int32_t lo = -1, hi = -1;
+    for (int32_t i = 0; i < size; ++i) {
+      const int32_t c = start + i;
+      const bool moved = table_.Holds(c, seq) && table_.pos(c) >= begin;
+      shift_deltas_[i] = moved ? offset : 0;
+      if (moved) {
+        if (lo < 0) lo = i;
+        hi = i;
+      }
+    }
+    if (lo < 0) continue;
+    const std::span<const int32_t> deltas(shift_deltas_.data() + lo, hi - lo + 1);
+    for (int l = 0; l < static_cast<int>(layers_.size()); ++l) {
+      if (!layers_[l].allocated) continue;
+      const TensorView key =
+          CellBlockView(layers_[l].k_layout, layers_[l].k, start + lo, hi - lo + 1);
+      KV_RETURN_IF_ERROR(shift_(l, key, deltas));
+    }
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+std::unique_ptr<CausalCache> NewCausalCache(ShiftFn shift) {
+  return std::make_unique<CausalCacheImpl>(0, 0, 0, std::move(shift));
+}
+std::unique_ptr<CausalCache> NewSWACache(int32_t window, ShiftFn shift) {
+  return std::make_unique<CausalCacheImpl>(window, 0, 0, std::move(shift));
+}
+std::unique_ptr<CausalCache> NewSWAMemCache(int32_t window, int32_t memory, ShiftFn shift) {
+  return std::make_unique<CausalCacheImpl>(window, memory, 0, std::move(shift));
+}
+std::unique_ptr<CausalCache> NewChunkedAttentionCache(int32_t chunk, ShiftFn shift) {
+  return std::make_unique<CausalCacheImpl>(0, 0, chunk, std::move(shift));
+}
+
+}  // namespace kv
