@@ -12,114 +12,13 @@
 #include <memory>
 #include <vector>
 
-#include "core/arena.h"
-#include "core/cache.h"
-#include "core/cell_table.h"
+#include "core/causal_cache_impl.h"
 #include "kernels/convert.h"
 #include "kernels/mask.h"
 #include "layouts/kv_layout.h"
 
 namespace kv {
-namespace {
-
-constexpr int32_t kUnlimited = INT32_MAX;
-constexpr int kMaxLayers = 4096;
-
-struct LayerStorage {
-  bool allocated = false;
-  CellBlockLayout k_layout;
-  CellBlockLayout v_layout;
-  void* k = nullptr;
-  void* v = nullptr;
-};
-
-class CausalCacheImpl final : public CausalCache {
- public:
-  CausalCacheImpl(int32_t window, int32_t memory, int32_t chunk, ShiftFn shift)
-      : requested_window_(window),
-        requested_memory_(memory),
-        chunk_(chunk),
-        shift_(std::move(shift)) {}
-
-  Status SetConfig(const CacheConfig& config) override;
-  Status Init(DType dtype, int max_sequences, int capacity, int max_batch) override;
-  Status StartForward(const Batch& batch, bool reserve) override;
-  void SetLayer(int layer) override { layer_ = layer; }
-  Status Put(const TensorView& key, const TensorView& value) override;
-  History Get() override;
-  Status CopyPrefix(int src_seq, int dst_seq, int32_t len) override;
-  bool CanResume(int seq, int32_t pos) const override;
-  Status Remove(int seq, int32_t begin, int32_t end) override;
-  void Close() override;
-  size_t MemoryBytes() const override;
-
-  void SetCausal(std::span<const int32_t> except) override;
-  Status ReserveLayers(int layers, int k_head_dim, int v_head_dim, int kv_heads) override;
-  int32_t NumCells() const override { return initialized_ ? table_.num_cells() : 0; }
-  Status CheckConsistency() const override { return table_.CheckInvariants(); }
-
- private:
-  bool MemoryLimited() const { return memory_ != kUnlimited; }
-  Status ValidateLayerShapes(const LayerStorage& layer, int64_t k_head_dim, int64_t v_head_dim,
-                             int64_t kv_heads) const;
-  Status AllocateLayer(LayerStorage* layer, int32_t k_head_dim, int32_t v_head_dim,
-                       int32_t kv_heads);
-  Status EnsureMaskCapacity(size_t elements);
-  void BuildMask();
-  // Window trimming (SEMANTICS.md §3.2), computed without mutating: per sequence, the position
-  // below which its cells are dropped (INT64_MIN: none). Marks cells that would become free.
-  void PlanTrim(std::span<const int32_t> positions, std::span<const int32_t> sequences);
-  void ClearTrimPlan();
-
-  // Construction parameters (Init derives the effective ones).
-  int32_t requested_window_;
-  int32_t requested_memory_;
-  int32_t chunk_;
-  ShiftFn shift_;
-  CacheConfig config_;
-
-  // After Init.
-  bool initialized_ = false;
-  DType dtype_ = DType::kF16;
-  int32_t max_sequences_ = 0;
-  int32_t capacity_ = 0;
-  int32_t max_batch_ = 0;
-  int32_t window_ = kUnlimited;
-  int32_t memory_ = kUnlimited;
-  CellTable table_;
-  Arena arena_;
-  std::vector<LayerStorage> layers_;
-  int layer_ = 0;
-
-  // The current forward pass.
-  bool have_batch_ = false;
-  bool reserve_ = false;
-  int32_t batch_size_ = 0;
-  std::vector<int32_t> batch_pos_;     // [max_batch]
-  std::vector<int32_t> batch_seq_;     // [max_batch]
-  std::vector<uint8_t> batch_causal_;  // [max_batch]: 1 = causal rule applies
-  std::vector<int32_t> batch_cells_;   // [max_batch]: target cell of each token
-  int32_t hist_min_ = 0;               // history range [hist_min_, hist_max_], padded
-  int32_t hist_max_ = -1;
-  // [B][L] mask, f32 or f16 (then the first half of the bytes). Raw so that running out of memory
-  // is a Status, not an abort.
-  struct FreeDeleter {
-    void operator()(void* p) const { std::free(p); }
-  };
-  std::unique_ptr<float[], FreeDeleter> mask_;
-  size_t mask_capacity_ = 0;  // elements
-
-  // Scratch, sized at Init so StartForward and Remove never allocate.
-  std::vector<int64_t> trim_below_;       // [max_sequences]
-  std::vector<int64_t> lowest_;           // [max_sequences]
-  std::vector<uint8_t> seq_in_batch_;     // [max_sequences]
-  std::vector<uint64_t> would_free_;      // like free_bits
-  std::vector<int32_t> would_free_list_;  // cells set in would_free_
-  int32_t would_free_count_ = 0;
-  int32_t would_free_first_ = INT32_MAX;
-  std::vector<int32_t> shift_deltas_;  // [max_batch]
-  std::vector<int32_t> slots_;         // [max_batch]
-};
+namespace internal {
 
 Status CausalCacheImpl::SetConfig(const CacheConfig& config) {
   if (initialized_) return Status::Error(Code::kInvalidArgument, "SetConfig must come before Init");
@@ -650,7 +549,9 @@ Status CausalCacheImpl::Remove(int seq, int32_t begin, int32_t end) {
   return Status::Ok();
 }
 
-}  // namespace
+}  // namespace internal
+
+using internal::CausalCacheImpl;
 
 std::unique_ptr<CausalCache> NewCausalCache(ShiftFn shift) {
   return std::make_unique<CausalCacheImpl>(0, 0, 0, std::move(shift));
