@@ -68,10 +68,11 @@ HWY_INLINE hn::Vec<DF> F16ToF32Soft(hn::Vec<DU32> h) {
 
 // f32 to f16 bits in u32 lanes, exactly as F32ToF16 (round to nearest even, overflow to inf,
 // subnormals rounded, NaN -> sign | 0x7E00).
-HWY_INLINE hn::Vec<DU32> F16FromF32Soft(hn::Vec<DF> v) {
-  const DF df;
-  const DU32 du;
-  const DI32 di;
+template <class D = DF>
+HWY_INLINE hn::Vec<hn::RebindToUnsigned<D>> F16FromF32Soft(hn::Vec<D> v) {
+  const D df;
+  const hn::RebindToUnsigned<D> du;
+  const hn::RebindToSigned<D> di;
   const auto x = hn::BitCast(du, v);
   const auto sign = hn::And(hn::ShiftRight<16>(x), hn::Set(du, 0x8000u));
   const auto abs = hn::And(x, hn::Set(du, 0x7FFFFFFFu));
@@ -106,9 +107,10 @@ HWY_INLINE hn::Vec<DU32> BF16FromF32(hn::Vec<DF> v) {
 }
 
 // Narrows u32 lanes holding values <= 0xFFFF and stores them as u16.
-HWY_INLINE void StoreU16(hn::Vec<DU32> v, uint16_t* p) {
-  const DU16 d16;
-  const DI32 di;
+template <class DU = DU32>
+HWY_INLINE void StoreU16(hn::Vec<DU> v, uint16_t* p) {
+  const hn::Rebind<uint16_t, DU> d16;
+  const hn::RebindToSigned<DU> di;
   hn::StoreU(hn::DemoteTo(d16, hn::BitCast(di, v)), d16, p);
 }
 
@@ -226,16 +228,33 @@ HWY_INLINE float BlockAmax(const typename S::T* src) {
   return hn::GetLane(hn::MaxOfLanes(df, vmax));
 }
 
-// roundf: round half away from zero. p - trunc(p) is exact, so the tie test is exact (adding 0.5
-// first would round 0.49999997 up).
+// roundf (round half away from zero) to int: trunc(p + copysign(0.49999997f, p)). Adding the
+// float just below 0.5 is exact for every tie (x.5 + 0.49999997 rounds to x + 1 under round to
+// nearest even) and never carries 0.49999997 up (0.5 would); checked against std::roundf for every
+// f32 in [0, 2^24] (|p| <= 127 here). ConvertTo truncates.
 HWY_INLINE hn::Vec<DI32> RoundHalfAway(hn::Vec<DF> p) {
   const DF df;
-  const DI32 di;
-  const auto t = hn::Trunc(p);
-  const auto frac = hn::Abs(hn::Sub(p, t));
-  const auto step =
-      hn::IfThenElseZero(hn::Ge(frac, hn::Set(df, 0.5f)), hn::CopySign(hn::Set(df, 1.0f), p));
-  return hn::ConvertTo(di, hn::Add(t, step));
+  const auto sign = hn::And(p, hn::Set(df, -0.0f));
+  return hn::ConvertTo(DI32(), hn::Add(p, hn::Or(sign, hn::Set(df, 0.49999997f))));
+}
+
+// Blocks per group whose scales are computed together in vectors (one lane per block): the
+// division chain amax -> d -> 1/d -> f16 is long, lanes make it one pass per group.
+constexpr int64_t kScaleGroup = 32;
+
+// d = amax / 127 (or max / -8), id = 1/d or 0, and the f16 bits of d, for `count` blocks; lanes
+// past `count` read the zero padding of `num`.
+HWY_INLINE void BlockScales(const float* num, float divisor, int64_t count, float* id,
+                            uint16_t* dh) {
+  const hn::CappedTag<float, 8> df;  // a 128-element row has 4 blocks; narrow divisions are faster
+  const size_t N = hn::Lanes(df);
+  for (size_t k = 0; k < static_cast<size_t>(count); k += N) {
+    const auto d = hn::Div(hn::LoadU(df, num + k), hn::Set(df, divisor));
+    const auto inv = hn::IfThenElseZero(hn::Ne(d, hn::Zero(df)), hn::Div(hn::Set(df, 1.0f), d));
+    hn::StoreU(inv, df, id + k);
+    using DS = decltype(df);
+    StoreU16<hn::RebindToUnsigned<DS>>(F16FromF32Soft<DS>(d), dh + k);
+  }
 }
 
 template <class S>
@@ -245,16 +264,23 @@ void Q8Row(const void* src_v, void* dst_v, int64_t n) {
   const size_t N = hn::Lanes(df);
   const auto* src = static_cast<const typename S::T*>(src_v);
   auto* out = static_cast<BlockQ8_0*>(dst_v);
-  for (int64_t b = 0; b < n / 32; ++b, src += 32, ++out) {
-    const float amax = BlockAmax<S>(src);
-    const float d = amax / 127.0f;
-    const float id = d != 0.0f ? 1.0f / d : 0.0f;
-    const uint16_t dh = F32ToF16(d);
-    std::memcpy(&out->d, &dh, 2);
-    const auto vid = hn::Set(df, id);
-    for (size_t k = 0; k < 32; k += N) {
-      const auto p = Opaque(hn::Mul(S::Load(src + k), vid));
-      hn::StoreU(hn::DemoteTo(d8, RoundHalfAway(p)), d8, out->qs + k);
+  HWY_ALIGN float amax[kScaleGroup + HWY_MAX_BYTES / sizeof(float)];
+  HWY_ALIGN float id[kScaleGroup + HWY_MAX_BYTES / sizeof(float)];
+  HWY_ALIGN uint16_t dh[kScaleGroup + HWY_MAX_BYTES / sizeof(float)];
+  const int64_t blocks = n / 32;
+  for (int64_t g0 = 0; g0 < blocks; g0 += kScaleGroup) {
+    const int64_t count = blocks - g0 < kScaleGroup ? blocks - g0 : kScaleGroup;
+    for (int64_t b = 0; b < count; ++b) amax[b] = BlockAmax<S>(src + 32 * b);
+    for (size_t b = static_cast<size_t>(count); b < static_cast<size_t>(count) + N; ++b)
+      amax[b] = 0.0f;
+    BlockScales(amax, 127.0f, count, id, dh);
+    for (int64_t b = 0; b < count; ++b, src += 32, ++out) {
+      std::memcpy(&out->d, &dh[b], 2);
+      const auto vid = hn::Set(df, id[b]);
+      for (size_t k = 0; k < 32; k += N) {
+        const auto p = Opaque(hn::Mul(S::Load(src + k), vid));
+        hn::StoreU(hn::DemoteTo(d8, RoundHalfAway(p)), d8, out->qs + k);
+      }
     }
   }
 }
