@@ -80,7 +80,9 @@ struct Fixture {
   explicit Fixture(int n) {
     std::vector<std::unique_ptr<Cache>> children;
     for (int i = 0; i < n; ++i) {
-      auto f = std::make_unique<FakeCache>("c" + std::to_string(i), &log);
+      std::string name = "c";
+      name += static_cast<char>('0' + i);  // (GCC 12 warns falsely on "c" + to_string)
+      auto f = std::make_unique<FakeCache>(name, &log);
       fakes.push_back(f.get());
       children.push_back(std::move(f));
     }
