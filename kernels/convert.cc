@@ -118,12 +118,14 @@ HWY_INLINE void StoreU16(hn::Vec<DU> v, uint16_t* p) {
 
 struct F32T {
   using T = float;
+  static constexpr DType kDType = DType::kF32;
   static HWY_INLINE hn::Vec<DF> Load(const T* p) { return hn::LoadU(DF(), p); }
   static HWY_INLINE void Store(hn::Vec<DF> v, T* p) { hn::StoreU(v, DF(), p); }
 };
 
 struct F16T {
   using T = uint16_t;
+  static constexpr DType kDType = DType::kF16;
   static HWY_INLINE hn::Vec<DF> Load(const T* p) {
     return F16ToF32Soft(hn::PromoteTo(DU32(), hn::LoadU(DU16(), p)));
   }
@@ -145,6 +147,7 @@ struct F16T {
 
 struct BF16T {
   using T = uint16_t;
+  static constexpr DType kDType = DType::kBF16;
   static HWY_INLINE hn::Vec<DF> Load(const T* p) {
     return hn::BitCast(DF(), hn::ShiftLeft<16>(hn::PromoteTo(DU32(), hn::LoadU(DU16(), p))));
   }
@@ -285,6 +288,32 @@ void Q8Row(const void* src_v, void* dst_v, int64_t n) {
   }
 }
 
+// q4_0's signed maximum: the first element of largest magnitude (strict < in the reference).
+// From the block's max and min: if one has the larger magnitude, every element of that magnitude
+// has its sign; only a tie (+a and -a both present) needs the first occurrence. All zero: +0.
+template <class S>
+HWY_INLINE float BlockSignedMax(const typename S::T* src) {
+  const DF df;
+  const size_t N = hn::Lanes(df);
+  auto vmax = S::Load(src);
+  auto vmin = vmax;
+  for (size_t k = N; k < 32; k += N) {
+    const auto v = S::Load(src + k);
+    vmax = hn::Max(vmax, v);
+    vmin = hn::Min(vmin, v);
+  }
+  const float hi = hn::GetLane(hn::MaxOfLanes(df, vmax));
+  const float lo = hn::GetLane(hn::MinOfLanes(df, vmin));
+  if (hi > -lo) return hi;
+  if (-lo > hi) return lo;
+  if (hi == 0.0f) return 0.0f;
+  for (int j = 0; j < 32; ++j) {
+    const float x = LoadAsF32(src, S::kDType, j);
+    if (x == hi || x == lo) return x;
+  }
+  return hi;  // unreachable
+}
+
 template <class S>
 void Q4Row(const void* src_v, void* dst_v, int64_t n) {
   const DF df;
@@ -292,41 +321,34 @@ void Q4Row(const void* src_v, void* dst_v, int64_t n) {
   const hn::Rebind<uint8_t, DF> d8;
   const hn::CappedTag<uint8_t, 16> dp;
   const size_t N = hn::Lanes(df);
+  const size_t NP = hn::Lanes(dp);
   const auto* src = static_cast<const typename S::T*>(src_v);
   auto* out = static_cast<BlockQ4_0*>(dst_v);
-  for (int64_t b = 0; b < n / 32; ++b, src += 32, ++out) {
-    const float amax = BlockAmax<S>(src);
-    // The element of largest magnitude, sign kept; the first one wins ties (strict < in the ref).
-    float max = 0.0f;
-    if (amax != 0.0f) {
-      const auto vamax = hn::Set(df, amax);
+  HWY_ALIGN float max[kScaleGroup + HWY_MAX_BYTES / sizeof(float)];
+  HWY_ALIGN float id[kScaleGroup + HWY_MAX_BYTES / sizeof(float)];
+  HWY_ALIGN uint16_t dh[kScaleGroup + HWY_MAX_BYTES / sizeof(float)];
+  const int64_t blocks = n / 32;
+  for (int64_t g0 = 0; g0 < blocks; g0 += kScaleGroup) {
+    const int64_t count = blocks - g0 < kScaleGroup ? blocks - g0 : kScaleGroup;
+    for (int64_t b = 0; b < count; ++b) max[b] = BlockSignedMax<S>(src + 32 * b);
+    for (size_t b = static_cast<size_t>(count); b < static_cast<size_t>(count) + N; ++b) {
+      max[b] = 0.0f;
+    }
+    BlockScales(max, -8.0f, count, id, dh);
+    for (int64_t b = 0; b < count; ++b, src += 32, ++out) {
+      std::memcpy(&out->d, &dh[b], 2);
+      const auto vid = hn::Set(df, id[b]);
+      HWY_ALIGN uint8_t q[32];
       for (size_t k = 0; k < 32; k += N) {
-        const auto v = S::Load(src + k);
-        const auto m = hn::Eq(hn::Abs(v), vamax);
-        if (!hn::AllFalse(df, m)) {
-          HWY_ALIGN float lanes[HWY_MAX_BYTES / sizeof(float)];
-          hn::Store(v, df, lanes);
-          max = lanes[hn::FindFirstTrue(df, m)];
-          break;
-        }
+        const auto p = Opaque(hn::Mul(S::Load(src + k), vid));
+        const auto qi = hn::Min(hn::ConvertTo(di, hn::Add(p, hn::Set(df, 8.5f))), hn::Set(di, 15));
+        hn::StoreU(hn::DemoteTo(d8, qi), d8, q + k);
       }
-    }
-    const float d = max / -8.0f;
-    const float id = d != 0.0f ? 1.0f / d : 0.0f;
-    const uint16_t dh = F32ToF16(d);
-    std::memcpy(&out->d, &dh, 2);
-    const auto vid = hn::Set(df, id);
-    HWY_ALIGN uint8_t q[32];
-    for (size_t k = 0; k < 32; k += N) {
-      const auto p = Opaque(hn::Mul(S::Load(src + k), vid));
-      const auto qi = hn::Min(hn::ConvertTo(di, hn::Add(p, hn::Set(df, 8.5f))), hn::Set(di, 15));
-      hn::StoreU(hn::DemoteTo(d8, qi), d8, q + k);
-    }
-    const size_t NP = hn::Lanes(dp);
-    for (size_t j = 0; j < 16; j += NP) {
-      const auto lo = hn::LoadU(dp, q + j);
-      const auto hi = hn::LoadU(dp, q + 16 + j);
-      hn::StoreU(hn::Or(lo, hn::ShiftLeft<4>(hi)), dp, out->qs + j);
+      for (size_t j = 0; j < 16; j += NP) {
+        const auto lo = hn::LoadU(dp, q + j);
+        const auto hi = hn::LoadU(dp, q + 16 + j);
+        hn::StoreU(hn::Or(lo, hn::ShiftLeft<4>(hi)), dp, out->qs + j);
+      }
     }
   }
 }
