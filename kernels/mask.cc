@@ -1,16 +1,19 @@
-// Highway mask kernel (kernels/mask.h): per batch token, one vectorized pass over the n cells.
+// Highway mask kernel (kernels/mask.h): cells in tiles of kTileCells, every token's row segment per
+// tile, each segment one vectorized pass.
 //
 // Per token i the sequence word row, the bit s % 64 and the bounds [lo, hi] are fixed, so a vector
 // of N cells costs two u64 loads (sequence words), one i32 load (positions), a 64-bit shift that
 // moves bit s % 64 to the top of each u64 lane, a ConcatOdd that packs those top halves into N i32
-// lanes (membership = sign bit), two i32 compares and one store of 0 / -inf (f32) or 0 / 0xFC00
-// (f16, demoted from i32). The result is bit-exact with BuildMaskRef: every output is one of two
-// constants, decided by the same integer predicates. Tails shorter than a vector run the scalar
-// predicate. Tokens whose (sequence, lo, hi) equal the previous token's copy that row instead
-// (a prompt of one sequence with the causal rule lifted, or chunk/window rules that coincide).
+// lanes (membership = sign bit), one unsigned compare (p - lo > hi - lo: outside the bounds) and
+// one store of 0 / -inf (f32) or 0 / 0xFC00 (f16, demoted from i32). The result is bit-exact with
+// BuildMaskRef: every output is one of two constants, decided by the same integer predicates.
+// Tails shorter than a vector run the scalar predicate. Tokens whose (sequence, lo, hi) equal the
+// previous token's copy that segment instead (causal rule lifted, or window/chunk rules
+// coinciding).
 //
-// Memory traffic per token: 12 bytes read (L1/L2-resident across tokens for n up to ~64K cells)
-// and 4 (f32) or 2 (f16) bytes written per cell, so large masks are bound by the store bandwidth.
+// Memory traffic per token and cell: 12 bytes read (from L1: a tile's inputs are reused by every
+// token) and 4 (f32) or 2 (f16) bytes written, so large masks are bound by the store bandwidth
+// (perf/bench_mask.cc compares with memset of the same bytes).
 
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "kernels/mask.cc"
