@@ -17,6 +17,7 @@
 #include <set>
 #include <vector>
 
+#include "core/attend.h"
 #include "core/cache.h"
 #include "gtest/gtest.h"
 
@@ -438,6 +439,65 @@ TEST(ModelFamilies, WrapperUnwindsAWindowChildWhenTheGlobalChildIsFull) {
   ASSERT_TRUE(w->Remove(0, 0, kPosMax).ok());
   Tokens fresh = Range(0, 4);
   EXPECT_TRUE(w->StartForward(fresh.batch(), false).ok());
+}
+
+// Cross-attention end to end: the encoder's views (no mask, f16 as given, plain or permuted V)
+// go straight into Attend and give the softmax over every image token.
+TEST(ModelFamilies, CrossAttentionReadsEncoderViewsThroughAttend) {
+  for (bool permuted : {false, true}) {
+    SCOPED_TRACE(permuted ? "permuted V" : "plain V");
+    auto w = Wrap(NewEncoderCache(), NewCausalCache());
+    CacheConfig cfg;
+    cfg.permuted_v = permuted;
+    ASSERT_TRUE(w->SetConfig(cfg).ok());
+    ASSERT_TRUE(w->Init(DType::kF16, 1, 256, 8).ok());
+    constexpr int kImg = 16, kHeads = 4, kB = 3;
+    std::vector<uint16_t> ik(kHeadDim * kKvHeads * kImg), iv(ik.size());
+    for (size_t i = 0; i < ik.size(); ++i) {
+      ik[i] = F32ToF16(std::sin(0.37f * static_cast<float>(i)));
+      iv[i] = F32ToF16(std::cos(0.11f * static_cast<float>(i)));
+    }
+    Tokens t = Range(0, kB, {0});
+    ASSERT_TRUE(w->StartForward(t.batch(), false).ok());
+    w->SetLayer(0);
+    w->SetLayerType(0);
+    ASSERT_TRUE(w->Put(MakeView(ik.data(), DType::kF16, {kHeadDim, kKvHeads, kImg}),
+                       MakeView(iv.data(), DType::kF16, {kHeadDim, kKvHeads, kImg}))
+                    .ok());
+    History h = w->Get();
+    ASSERT_EQ(h.mask.data, nullptr);
+    std::vector<float> q(kHeadDim * kB * kHeads), out(q.size(), 0.0f);
+    for (size_t i = 0; i < q.size(); ++i) q[i] = std::sin(0.05f * static_cast<float>(i) + 1.0f);
+    TensorView ov = MakeView(out.data(), DType::kF32, {kHeadDim, kB, kHeads});
+    ASSERT_TRUE(
+        Attend(MakeView(q.data(), DType::kF32, {kHeadDim, kB, kHeads}), h, AttentionParams{}, &ov)
+            .ok());
+    const double scale = 1.0 / std::sqrt(static_cast<double>(kHeadDim));
+    for (int hq = 0; hq < kHeads; ++hq) {
+      const int hk = hq / (kHeads / kKvHeads);
+      for (int b = 0; b < kB; ++b) {
+        std::vector<double> logit(kImg);
+        double mx = -1e300, sum = 0;
+        for (int j = 0; j < kImg; ++j) {
+          double d = 0;
+          for (int e = 0; e < kHeadDim; ++e) {
+            d += static_cast<double>(q[(hq * kB + b) * kHeadDim + e]) *
+                 F16ToF32(ik[(j * kKvHeads + hk) * kHeadDim + e]);
+          }
+          logit[j] = d * scale;
+          mx = std::max(mx, logit[j]);
+        }
+        for (int j = 0; j < kImg; ++j) sum += std::exp(logit[j] - mx);
+        for (int e = 0; e < kHeadDim; ++e) {
+          double o = 0;
+          for (int j = 0; j < kImg; ++j) {
+            o += std::exp(logit[j] - mx) / sum * F16ToF32(iv[(j * kKvHeads + hk) * kHeadDim + e]);
+          }
+          EXPECT_NEAR(out[(hq * kB + b) * kHeadDim + e], o, 1e-4) << hq << " " << b << " " << e;
+        }
+      }
+    }
+  }
 }
 
 // Memory accounting: a runtime can read what each child holds instead of assuming every layer
