@@ -168,15 +168,64 @@ HWY_INLINE float BlockScale(const void* row, int64_t blk) {
 // ---- decode
 // --------------------------------------------------------------------------------------
 
+constexpr int64_t kScaleStride = kBlockCells + kRowPad;
+constexpr int64_t kMaxQBlocks = kAttentionMaxHeadDim / 32;
+
+// The f16 block scales of n quantized rows, converted with vector f16 -> f32 (exact) instead of
+// one scalar conversion per (row, block, vector): out[blk * kScaleStride + j].
+template <DType T>
+HWY_INLINE void GatherScales(DF df, const char* row0, size_t stride, int64_t n, int64_t nblk,
+                             float* out) {
+  HWY_ALIGN uint16_t tmp[kScaleStride];
+  const hn::Rebind<hwy::float16_t, DF> dh;
+  for (int64_t blk = 0; blk < nblk; ++blk) {
+    const char* p = row0 + static_cast<size_t>(blk) * BlockBytes(T);
+    for (int64_t j = 0; j < n; ++j) std::memcpy(&tmp[j], p + static_cast<size_t>(j) * stride, 2);
+    for (int64_t j = n; j < attn::Pad(n); ++j) tmp[j] = 0;
+    for (int64_t j = 0; j < n; j += kN) {
+      hn::Store(hn::PromoteTo(df, hn::LoadU(dh, reinterpret_cast<const hwy::float16_t*>(tmp) + j)),
+                df, out + blk * kScaleStride + j);
+    }
+  }
+}
+
+// Quantized plain V: per block of 32 dims, the weights p[g][j] * d[j] are formed once (vectors over
+// j), then the codes of each row are converted once and FMAed into every head's accumulator.
+template <DType T, int kG>
+HWY_INLINE void AccumQuant(DF df, const char* vrow0, size_t vstride, int64_t n, int64_t Dv,
+                           const float* p, int64_t p_stride, const float* vscale, float* acc,
+                           int64_t acc_stride) {
+  HWY_ALIGN float w[kG][kScaleStride];
+  for (int64_t blk = 0; blk < Dv / 32; ++blk) {
+    for (int g = 0; g < kG; ++g) {
+      for (int64_t j = 0; j < n; j += kN) {
+        hn::Store(hn::Mul(hn::Load(df, p + g * p_stride + j),
+                          hn::Load(df, vscale + blk * kScaleStride + j)),
+                  df, &w[g][j]);
+      }
+    }
+    for (int64_t i = blk * 32; i < blk * 32 + 32; i += kN) {
+      VF a[kG];
+      for (int g = 0; g < kG; ++g) a[g] = hn::Load(df, acc + g * acc_stride + i);
+      for (int64_t j = 0; j < n; ++j) {
+        const VF vv = LoadCodes<T>(df, vrow0 + static_cast<size_t>(j) * vstride, i);
+        for (int g = 0; g < kG; ++g) a[g] = hn::MulAdd(hn::Set(df, w[g][j]), vv, a[g]);
+      }
+      for (int g = 0; g < kG; ++g) hn::Store(a[g], df, acc + g * acc_stride + i);
+    }
+  }
+}
+
 // s[g] = dot(krow, qs + g * Dp) for kG heads; K converted once per vector, used by every head.
+// Quantized: kscale[blk * kScaleStride] is the row's block scale (gathered by GatherScales).
 template <DType T, int kG>
 HWY_INLINE void DotHeads(DF df, const void* krow, const float* qs, int64_t Dp, int64_t D, float* s,
-                         int64_t s_stride) {
+                         int64_t s_stride, const float* kscale) {
   VF acc[kG];
   for (int g = 0; g < kG; ++g) acc[g] = hn::Zero(df);
   if constexpr (IsQuantized(T)) {
     for (int64_t blk = 0; blk < D / 32; ++blk) {
-      const VF scale = hn::Set(df, BlockScale<T>(krow, blk));
+      const VF scale = hn::Set(df, kscale[blk * kScaleStride]);
       for (int64_t w = 0; w < 32; w += kN) {
         const int64_t i = blk * 32 + w;
         const VF kv = hn::Mul(LoadCodes<T>(df, krow, i), scale);
@@ -199,7 +248,8 @@ HWY_INLINE void DotHeads(DF df, const void* krow, const float* qs, int64_t Dp, i
 }
 
 // acc[g][0..Dv) += sum_j p[g][j] * V[j] for n plain V rows starting at vrow0, `vstride` apart.
-// Dimension chunks outside, cells inside, so each head's accumulator chunk stays in a register.
+// Float dtypes. Dimension chunks outside, cells inside: each head's accumulator chunk stays in a
+// register.
 template <DType T, int kG>
 HWY_INLINE void AccumPlain(DF df, const char* vrow0, size_t vstride, int64_t n, int64_t Dv,
                            const float* p, int64_t p_stride, float* acc, int64_t acc_stride) {
@@ -207,19 +257,10 @@ HWY_INLINE void AccumPlain(DF df, const char* vrow0, size_t vstride, int64_t n, 
     const bool tail = i + static_cast<int64_t>(kN) > Dv;  // float dtypes only: acc is padded
     VF a[kG];
     for (int g = 0; g < kG; ++g) a[g] = hn::Load(df, acc + g * acc_stride + i);
-    if constexpr (IsQuantized(T)) {
-      const int64_t blk = i / 32;
-      for (int64_t j = 0; j < n; ++j) {
-        const char* vr = vrow0 + static_cast<size_t>(j) * vstride;
-        const VF vv = hn::Mul(LoadCodes<T>(df, vr, i), hn::Set(df, BlockScale<T>(vr, blk)));
-        for (int g = 0; g < kG; ++g) a[g] = hn::MulAdd(hn::Set(df, p[g * p_stride + j]), vv, a[g]);
-      }
-    } else {
-      for (int64_t j = 0; j < n; ++j) {
-        const char* vr = vrow0 + static_cast<size_t>(j) * vstride;
-        const VF vv = tail ? LoadFloatTail<T>(df, vr, i, Dv - i) : LoadFloat<T>(df, vr, i);
-        for (int g = 0; g < kG; ++g) a[g] = hn::MulAdd(hn::Set(df, p[g * p_stride + j]), vv, a[g]);
-      }
+    for (int64_t j = 0; j < n; ++j) {
+      const char* vr = vrow0 + static_cast<size_t>(j) * vstride;
+      const VF vv = tail ? LoadFloatTail<T>(df, vr, i, Dv - i) : LoadFloat<T>(df, vr, i);
+      for (int g = 0; g < kG; ++g) a[g] = hn::MulAdd(hn::Set(df, p[g * p_stride + j]), vv, a[g]);
     }
     for (int g = 0; g < kG; ++g) hn::Store(a[g], df, acc + g * acc_stride + i);
   }
@@ -306,9 +347,18 @@ HWY_NOINLINE void DecodeCells(const Ctx& c, int64_t h, int64_t b, int64_t g0, in
   const DF df;
   HWY_ALIGN float s[kG][kBlockCells + kRowPad];
   const char* kbase = static_cast<const char*>(c.k.data) + static_cast<size_t>(h) * c.k.nb[1];
+  const char* vrow0 = static_cast<const char*>(c.v.data) + static_cast<size_t>(h) * c.v.nb[1] +
+                      static_cast<size_t>(c0) * c.v.nb[2];
+  HWY_ALIGN float kd[IsQuantized(T) ? kMaxQBlocks : 1][kScaleStride];
+  HWY_ALIGN float vd[IsQuantized(T) ? kMaxQBlocks : 1][kScaleStride];
+  if constexpr (IsQuantized(T)) {
+    GatherScales<T>(df, kbase + static_cast<size_t>(c0) * c.k.nb[2], c.k.nb[2], n, c.D / 32,
+                    &kd[0][0]);
+    GatherScales<T>(df, vrow0, c.v.nb[2], n, c.Dv / 32, &vd[0][0]);
+  }
   for (int64_t j = 0; j < n; ++j) {
     DotHeads<T, kG>(df, kbase + static_cast<size_t>(c0 + j) * c.k.nb[2], qs + g0 * c.Dp, c.Dp, c.D,
-                    &s[0][j], kBlockCells + kRowPad);
+                    &s[0][j], kBlockCells + kRowPad, &kd[0][IsQuantized(T) ? j : 0]);
   }
   const int64_t rs = attn::PartialStride(c);
   float* state = rows + g0 * rs;
@@ -321,9 +371,10 @@ HWY_NOINLINE void DecodeCells(const Ctx& c, int64_t h, int64_t b, int64_t g0, in
     const char* vhead = static_cast<const char*>(c.v.data) + static_cast<size_t>(h) * c.v.nb[2];
     AccumPermuted<T, kG>(df, vhead, c.v.nb[1], c0, n, c.Dv, &s[0][0], kBlockCells + kRowPad, state,
                          rs);
+  } else if constexpr (IsQuantized(T)) {
+    AccumQuant<T, kG>(df, vrow0, c.v.nb[2], n, c.Dv, &s[0][0], kBlockCells + kRowPad, &vd[0][0],
+                      state, rs);
   } else {
-    const char* vrow0 = static_cast<const char*>(c.v.data) + static_cast<size_t>(h) * c.v.nb[1] +
-                        static_cast<size_t>(c0) * c.v.nb[2];
     AccumPlain<T, kG>(df, vrow0, c.v.nb[2], n, c.Dv, &s[0][0], kBlockCells + kRowPad, state, rs);
   }
 }

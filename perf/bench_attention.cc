@@ -1,0 +1,343 @@
+// Attention benchmarks. Every figure is a ratio to a baseline measured in the same run:
+//   decode:  effective bandwidth (bytes of K+V read / time) as a fraction of the read bandwidth of
+//            a plain sum over a 256 MiB buffer with the same thread count; q8_0 vs f16 per call.
+//   prefill: GFLOP/s (4 * B * L * Hq * D flops, all cells visible) against the measured FMA peak
+//            (independent FMA chains on the best Highway target) with the same thread count.
+//   side by side (decode, f16, D 128, 4096 cells, 1 thread): the scalar double reference, the
+//            dispatched kernel on its best target and pinned to AVX2, and an xsimd AVX2 version.
+// Run: build-*/perf/bench_attention --benchmark_counters_tabular=true
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <map>
+#include <random>
+#include <tuple>
+#include <vector>
+
+#include "benchmark/benchmark.h"
+#include "core/attend.h"
+#include "core/thread_pool.h"
+#include "hwy/aligned_allocator.h"
+#include "hwy/targets.h"
+#include "kernels/attention.h"
+#include "layouts/kv_layout.h"
+#include "layouts/quant.h"
+
+// ---- FMA peak, dispatched --------------------------------------------------------------------
+// clang-format off
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "perf/bench_attention.cc"
+#include "hwy/foreach_target.h"  // IWYU pragma: keep
+#include "hwy/highway.h"
+// clang-format on
+
+HWY_BEFORE_NAMESPACE();
+namespace kvbench {
+namespace HWY_NAMESPACE {
+namespace hn = hwy::HWY_NAMESPACE;
+// 16 independent FMA chains; returns flops done.
+double FmaPeakLoop(int64_t iters, float* sink) {
+  const hn::ScalableTag<float> df;
+  auto a0 = hn::Set(df, 1.0f), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+  auto a8 = a0, a9 = a0, a10 = a0, a11 = a0, a12 = a0, a13 = a0, a14 = a0, a15 = a0;
+  const auto m = hn::Set(df, 0.999999f), c = hn::Set(df, 1e-7f);
+  for (int64_t i = 0; i < iters; ++i) {
+    a0 = hn::MulAdd(a0, m, c);
+    a1 = hn::MulAdd(a1, m, c);
+    a2 = hn::MulAdd(a2, m, c);
+    a3 = hn::MulAdd(a3, m, c);
+    a4 = hn::MulAdd(a4, m, c);
+    a5 = hn::MulAdd(a5, m, c);
+    a6 = hn::MulAdd(a6, m, c);
+    a7 = hn::MulAdd(a7, m, c);
+    a8 = hn::MulAdd(a8, m, c);
+    a9 = hn::MulAdd(a9, m, c);
+    a10 = hn::MulAdd(a10, m, c);
+    a11 = hn::MulAdd(a11, m, c);
+    a12 = hn::MulAdd(a12, m, c);
+    a13 = hn::MulAdd(a13, m, c);
+    a14 = hn::MulAdd(a14, m, c);
+    a15 = hn::MulAdd(a15, m, c);
+  }
+  auto s =
+      hn::Add(hn::Add(hn::Add(a0, a1), hn::Add(a2, a3)), hn::Add(hn::Add(a4, a5), hn::Add(a6, a7)));
+  s = hn::Add(s, hn::Add(hn::Add(hn::Add(a8, a9), hn::Add(a10, a11)),
+                         hn::Add(hn::Add(a12, a13), hn::Add(a14, a15))));
+  *sink += hn::GetLane(s);
+  return static_cast<double>(iters) * 16.0 * static_cast<double>(hn::Lanes(df)) * 2.0;
+}
+}  // namespace HWY_NAMESPACE
+}  // namespace kvbench
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+namespace kvbench {
+HWY_EXPORT(FmaPeakLoop);
+
+#if KVCACHE_BENCH_XSIMD
+void XsimdDecodeF16(const float* q, const uint8_t* k, const uint8_t* v, size_t head_stride,
+                    size_t row_stride, int D, int Hkv, int G, int L, float scale, float* out);
+#endif
+
+using Clock = std::chrono::steady_clock;
+
+double Seconds(Clock::time_point a, Clock::time_point b) {
+  return std::chrono::duration<double>(b - a).count();
+}
+
+// ---- baselines (measured once per thread count, cached for the run) ---------------------------
+
+struct SumTask {
+  const uint64_t* data;
+  int64_t words_per_task;
+  uint64_t partial[64];
+};
+
+double ReadBandwidth(int threads) {
+  static std::map<int, double> cache;
+  if (cache.count(threads)) return cache[threads];
+  const size_t bytes = size_t{256} << 20;
+  auto buf = hwy::AllocateAligned<uint64_t>(bytes / 8);
+  for (size_t i = 0; i < bytes / 8; ++i) buf[i] = i;
+  kv::ThreadPool pool(threads);
+  SumTask t;
+  t.data = buf.get();
+  const int64_t tasks = threads * 8;
+  t.words_per_task = static_cast<int64_t>(bytes / 8) / tasks;
+  double best = 0;
+  for (int rep = 0; rep < 5; ++rep) {
+    const auto t0 = Clock::now();
+    pool.Run(
+        tasks,
+        [](void* ctx, int64_t i) {
+          SumTask* st = static_cast<SumTask*>(ctx);
+          const uint64_t* p = st->data + i * st->words_per_task;
+          uint64_t s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+          for (int64_t w = 0; w < st->words_per_task; w += 4) {
+            s0 += p[w];
+            s1 += p[w + 1];
+            s2 += p[w + 2];
+            s3 += p[w + 3];
+          }
+          st->partial[i] = s0 + s1 + s2 + s3;
+        },
+        &t);
+    const double sec = Seconds(t0, Clock::now());
+    benchmark::DoNotOptimize(t.partial[0]);
+    best = std::max(best, static_cast<double>(bytes) / sec);
+  }
+  cache[threads] = best;
+  return best;
+}
+
+double FmaPeak(int threads) {
+  static std::map<int, double> cache;
+  if (cache.count(threads)) return cache[threads];
+  kv::ThreadPool pool(threads);
+  struct Ctx {
+    double flops[64];
+    float sink[64];
+  } ctx{};
+  double best = 0;
+  for (int rep = 0; rep < 3; ++rep) {
+    const auto t0 = Clock::now();
+    pool.Run(
+        threads,
+        [](void* c, int64_t i) {
+          Ctx* x = static_cast<Ctx*>(c);
+          x->flops[i] = HWY_DYNAMIC_DISPATCH(FmaPeakLoop)(int64_t{50} << 20, &x->sink[i]);
+        },
+        &ctx);
+    const double sec = Seconds(t0, Clock::now());
+    double f = 0;
+    for (int i = 0; i < threads; ++i) f += ctx.flops[i];
+    best = std::max(best, f / sec);
+  }
+  benchmark::DoNotOptimize(ctx.sink[0]);
+  cache[threads] = best;
+  return best;
+}
+
+// ---- a history in the caches' layout -----------------------------------------------------------
+
+struct Setup {
+  kv::CellBlockLayout kl, vl;
+  hwy::AlignedFreeUniquePtr<uint8_t[]> kbuf, vbuf;
+  std::vector<float> q, out, mask;
+  kv::History hist;
+  kv::TensorView qv, ov;
+  size_t kv_bytes = 0;  // bytes of K+V one call reads
+};
+
+Setup MakeSetup(kv::DType dt, int D, int Hkv, int G, int L, int B, bool with_mask) {
+  Setup s;
+  s.kl = kv::MakeCellBlockLayout(dt, D, Hkv, L, false);
+  s.vl = s.kl;
+  s.kbuf = hwy::AllocateAligned<uint8_t>(s.kl.bytes);
+  s.vbuf = hwy::AllocateAligned<uint8_t>(s.vl.bytes);
+  std::mt19937 rng(42);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  std::vector<float> row(D);
+  for (int h = 0; h < Hkv; ++h) {
+    for (int j = 0; j < L; ++j) {
+      for (float& x : row) x = u(rng);
+      kv::StoreRowFromF32(row.data(), D, dt, s.kbuf.get() + kv::CellRowOffset(s.kl, j, h));
+      for (float& x : row) x = u(rng);
+      kv::StoreRowFromF32(row.data(), D, dt, s.vbuf.get() + kv::CellRowOffset(s.vl, j, h));
+    }
+  }
+  const int Hq = Hkv * G;
+  s.q.resize(static_cast<size_t>(D) * B * Hq);
+  for (float& x : s.q) x = u(rng);
+  s.out.resize(static_cast<size_t>(D) * B * Hq);
+  s.hist.k = kv::CellBlockView(s.kl, s.kbuf.get(), 0, L);
+  s.hist.v = kv::CellBlockView(s.vl, s.vbuf.get(), 0, L);
+  if (with_mask) {  // a decode token at the end of one sequence sees every cell: mask of zeros
+    s.mask.assign(static_cast<size_t>(L) * B, 0.0f);
+    s.hist.mask = kv::MakeView(s.mask.data(), kv::DType::kF32, {L, B});
+  }
+  s.qv = kv::MakeView(s.q.data(), kv::DType::kF32, {D, B, Hq});
+  s.ov = kv::MakeView(s.out.data(), kv::DType::kF32, {D, B, Hq});
+  // Storage bytes actually streamed: rows as stored (f16 rows padded to 64 bytes are read whole).
+  s.kv_bytes = 2 * static_cast<size_t>(Hkv) * L * s.kl.row_stride;
+  return s;
+}
+
+std::map<std::tuple<int, int, int>, double>& F16Times() {
+  static std::map<std::tuple<int, int, int>, double> m;
+  return m;
+}
+
+// Args: D, L, dtype (0 f16, 1 q8_0), threads.
+void BM_Decode(benchmark::State& state) {
+  const int D = static_cast<int>(state.range(0));
+  const int L = static_cast<int>(state.range(1));
+  const bool q8 = state.range(2) != 0;
+  const int threads = static_cast<int>(state.range(3));
+  const double read_bw = ReadBandwidth(threads);
+  Setup s = MakeSetup(q8 ? kv::DType::kQ8_0 : kv::DType::kF16, D, 8, 4, L, 1, true);
+  kv::ThreadPool pool(threads);
+  kv::AttentionParams p;
+  // Warm up (first call sizes the scratch).
+  if (!kv::Attend(s.qv, s.hist, p, &s.ov, &pool).ok()) state.SkipWithError("Attend failed");
+  double total = 0;
+  int64_t calls = 0;
+  for (auto _ : state) {
+    const auto t0 = Clock::now();
+    (void)kv::Attend(s.qv, s.hist, p, &s.ov, &pool);
+    total += Seconds(t0, Clock::now());
+    ++calls;
+  }
+  const double per_call = total / calls;
+  const double bw = static_cast<double>(s.kv_bytes) / per_call;
+  state.counters["us_per_call"] = per_call * 1e6;
+  state.counters["KV_MiB"] = static_cast<double>(s.kv_bytes) / (1 << 20);
+  state.counters["eff_GBps"] = bw * 1e-9;
+  state.counters["read_GBps"] = read_bw * 1e-9;
+  state.counters["frac_read_bw"] = bw / read_bw;
+  auto key = std::make_tuple(D, L, threads);
+  if (!q8) {
+    F16Times()[key] = per_call;
+  } else if (F16Times().count(key)) {
+    state.counters["q8_speedup_vs_f16"] = F16Times()[key] / per_call;
+  }
+  state.SetLabel(q8 ? "q8_0" : "f16");
+}
+
+// Args: threads.
+void BM_Prefill(benchmark::State& state) {
+  const int threads = static_cast<int>(state.range(0));
+  const int D = 128, L = 4096, B = 512, Hkv = 8, G = 4;
+  const double peak = FmaPeak(threads);
+  Setup s = MakeSetup(kv::DType::kF16, D, Hkv, G, L, B, false);
+  kv::ThreadPool pool(threads);
+  kv::AttentionParams p;
+  if (!kv::Attend(s.qv, s.hist, p, &s.ov, &pool).ok()) state.SkipWithError("Attend failed");
+  double total = 0;
+  int64_t calls = 0;
+  for (auto _ : state) {
+    const auto t0 = Clock::now();
+    (void)kv::Attend(s.qv, s.hist, p, &s.ov, &pool);
+    total += Seconds(t0, Clock::now());
+    ++calls;
+  }
+  const double flops = 4.0 * B * L * Hkv * G * D;
+  const double gflops = flops / (total / calls) * 1e-9;
+  state.counters["GFLOPs"] = gflops;
+  state.counters["peak_GFLOPs"] = peak * 1e-9;
+  state.counters["frac_peak"] = gflops / (peak * 1e-9);
+  state.SetLabel("f16 D128 Hq32 Hkv8 B512 L4096");
+}
+
+// Side by side, decode f16 D 128 L 4096, 1 thread. Arg: 0 reference, 1 dispatched (best target),
+// 2 dispatched pinned to AVX2, 3 xsimd AVX2, 4 dispatched pinned to SCALAR.
+void BM_DecodeSideBySide(benchmark::State& state) {
+  const int which = static_cast<int>(state.range(0));
+  const int D = 128, L = 4096, Hkv = 8, G = 4;
+  Setup s = MakeSetup(kv::DType::kF16, D, Hkv, G, L, 1, false);
+  kv::AttentionParams p;
+  kv::kernels::AttentionKernelParams kp;
+  kp.scale = 1.0f / std::sqrt(static_cast<float>(D));
+  const char* label = "";
+  if (which == 2) {
+    if (!(hwy::SupportedTargets() & HWY_AVX2)) return state.SkipWithError("no AVX2");
+    hwy::SetSupportedTargetsForTest(HWY_AVX2);
+  }
+  if (which == 4) hwy::SetSupportedTargetsForTest(HWY_SCALAR);
+  double total = 0;
+  int64_t calls = 0;
+  for (auto _ : state) {
+    const auto t0 = Clock::now();
+    switch (which) {
+      case 0:
+        kv::kernels::AttentionRef(s.qv, s.hist.k, s.hist.v, s.hist.mask, kp, &s.ov);
+        label = "scalar double reference";
+        break;
+      case 1:
+      case 2:
+      case 4:
+        (void)kv::Attend(s.qv, s.hist, p, &s.ov);
+        label = which == 1 ? "Highway dispatched (best target)"
+                           : (which == 2 ? "Highway pinned to AVX2" : "Highway SCALAR target");
+        break;
+      case 3:
+#if KVCACHE_BENCH_XSIMD
+        XsimdDecodeF16(s.q.data(), s.kbuf.get(), s.vbuf.get(), s.kl.head_stride, s.kl.row_stride, D,
+                       Hkv, G, L, kp.scale, s.out.data());
+        label = "xsimd fixed AVX2";
+#else
+        label = "xsimd not built";
+#endif
+        break;
+    }
+    total += Seconds(t0, Clock::now());
+    ++calls;
+  }
+  hwy::SetSupportedTargetsForTest(0);
+  const double per_call = total / calls;
+  state.counters["us_per_call"] = per_call * 1e6;
+  state.counters["frac_read_bw"] = static_cast<double>(s.kv_bytes) / per_call / ReadBandwidth(1);
+  state.SetLabel(label);
+}
+
+void DecodeArgs(benchmark::internal::Benchmark* b) {
+  for (int threads : {1, 2})
+    for (int D : {64, 128})
+      for (int L : {512, 4096, 32768})
+        for (int q8 : {0, 1}) b->Args({D, L, q8, threads});
+}
+
+BENCHMARK(BM_Decode)->Apply(DecodeArgs)->Unit(benchmark::kMicrosecond)->MinTime(0.3)->UseRealTime();
+BENCHMARK(BM_Prefill)->Arg(1)->Arg(2)->Unit(benchmark::kMillisecond)->Iterations(3)->UseRealTime();
+BENCHMARK(BM_DecodeSideBySide)
+    ->DenseRange(0, 4)
+    ->Unit(benchmark::kMicrosecond)
+    ->MinTime(0.3)
+    ->UseRealTime();
+
+}  // namespace kvbench
+
+BENCHMARK_MAIN();
+#endif  // HWY_ONCE
