@@ -503,17 +503,24 @@ TEST(ModelFamilies, CrossAttentionReadsEncoderViewsThroughAttend) {
 // Memory accounting: a runtime can read what each child holds instead of assuming every layer
 // keeps the full context.
 TEST(ModelFamilies, MemoryAccountingPerChild) {
+  // The planning flow: Init, one reserve pass at the largest batch (every layer's first Put sizes
+  // its storage in the child that layer uses), then read what each child holds.
   auto w = Wrap(NewSWACache(128), NewCausalCache());
   ASSERT_TRUE(w->Init(DType::kF16, 1, 8192, 64).ok());
+  EXPECT_EQ(w->ChildMemoryBytes().size(), 2u);
   std::vector<float> k(static_cast<size_t>(kHeadDim) * kKvHeads * 64, 0.25f);
   TensorView kv = MakeView(k.data(), DType::kF32, {kHeadDim, kKvHeads, 64});
-  Tokens t = Range(0, 64);
-  ASSERT_TRUE(w->StartForward(t.batch(), false).ok());
-  for (int l = 0; l < 4; ++l) {  // layers 0, 2: window; 1, 3: global
-    w->SetLayer(l);
-    w->SetLayerType(l % 2);
-    ASSERT_TRUE(w->Put(kv, kv).ok());
-  }
+  auto pass = [&](bool reserve) {
+    Tokens t = Range(0, 64);
+    ASSERT_TRUE(w->StartForward(t.batch(), reserve).ok());
+    for (int l = 0; l < 4; ++l) {  // layers 0, 2: window; 1, 3: global
+      w->SetLayer(l);
+      w->SetLayerType(l % 2);
+      ASSERT_TRUE(w->Put(kv, kv).ok());
+    }
+  };
+  pass(/*reserve=*/true);
+  if (HasFatalFailure()) return;
   const std::vector<size_t> bytes = w->ChildMemoryBytes();
   ASSERT_EQ(bytes.size(), 2u);
   EXPECT_EQ(bytes[0] + bytes[1], w->MemoryBytes());
@@ -521,11 +528,17 @@ TEST(ModelFamilies, MemoryAccountingPerChild) {
   const int32_t swa_cells = Cells(w.get(), 0), global_cells = Cells(w.get(), 1);
   EXPECT_EQ(swa_cells, 128 + 64);
   EXPECT_EQ(global_cells, 8192);
-  // Each child holds at least its two layers' blocks, and the window child far less than the
-  // global one: a runtime sizing every layer for the full context would over-estimate ~40x here.
+  // Each child holds its two layers' blocks (plus its mask and cell table), and the window child
+  // far less than the global one: sizing every layer for the full context would over-estimate
+  // the window layers ~40x here.
   EXPECT_GE(bytes[0], 2 * per_cell_layer * swa_cells);
+  EXPECT_LT(bytes[0], 2 * per_cell_layer * swa_cells * 2);
   EXPECT_GE(bytes[1], 2 * per_cell_layer * global_cells);
   EXPECT_LT(bytes[0] * 10, bytes[1]);
+  // The plan holds: real passes allocate nothing more.
+  pass(/*reserve=*/false);
+  if (HasFatalFailure()) return;
+  EXPECT_EQ(w->ChildMemoryBytes(), bytes);
 }
 
 }  // namespace
