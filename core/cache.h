@@ -11,6 +11,7 @@
 #include <span>
 #include <vector>
 
+#include "core/arena.h"
 #include "core/status.h"
 #include "core/types.h"
 
@@ -38,6 +39,28 @@ class Cache {
   // False when CopyPrefix would return kNotSupported whatever its arguments (a single-sequence
   // encoder cache). Lets a wrapper refuse CopyPrefix before any child changes.
   virtual bool SupportsCopyPrefix() const { return true; }
+
+  // Persistence (core/persistence.h has the format and the free functions that callers use).
+  // Appends this cache's contents (seq == -1: every sequence; else that sequence only) to *out.
+  virtual Status Serialize(std::vector<uint8_t>* out, int seq) const {
+    (void)out;
+    (void)seq;
+    return Status::Error(Code::kNotSupported, "this cache kind cannot be saved");
+  }
+  // Replaces the contents (seq == -1: the whole cache; else sequence seq, or the saved sequence's
+  // own id when the stream holds one sequence and seq == -1) with a stream written by Serialize.
+  // Validates everything first: on error the cache is unchanged.
+  virtual Status Deserialize(std::span<const uint8_t> bytes, int seq) {
+    (void)bytes;
+    (void)seq;
+    return Status::Error(Code::kNotSupported, "this cache kind cannot be loaded");
+  }
+  // Where K/V storage comes from (tests inject failures through it). Only while the cache holds
+  // no storage (before Init, or after Close); else kInvalidArgument.
+  virtual Status SetAllocator(const ArenaAllocator& allocator) {
+    (void)allocator;
+    return Status::Error(Code::kNotSupported, "this cache kind has no injectable allocator");
+  }
 };
 
 // The causal family: causal, sliding window, sliding window with memory, chunked attention.

@@ -53,6 +53,11 @@ class CausalCacheImpl final : public CausalCache {
   int32_t NumCells() const override { return initialized_ ? table_.num_cells() : 0; }
   Status CheckConsistency() const override { return table_.CheckInvariants(); }
 
+  // Persistence and allocator injection: core/persistence.cc.
+  Status Serialize(std::vector<uint8_t>* out, int seq) const override;
+  Status Deserialize(std::span<const uint8_t> bytes, int seq) override;
+  Status SetAllocator(const ArenaAllocator& allocator) override;
+
  private:
   bool MemoryLimited() const { return memory_ != kUnlimited; }
   Status ValidateLayerShapes(const LayerStorage& layer, int64_t k_head_dim, int64_t v_head_dim,

@@ -1,0 +1,580 @@
+// Persistence (core/persistence.h): CRC32C vectors; save / load round trips for every causal kind
+// and dtype that continue decoding bit-identically; one-sequence streams; every failure (other
+// shape, dtype, kind, truncation, any flipped byte, hostile fields behind a valid checksum) leaves
+// the target unchanged; files are replaced atomically; the growing and rotating caches.
+#include "core/persistence.h"
+
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "core/crc32c.h"
+#include "decode_driver.h"
+#include "gtest/gtest.h"
+#include "kernels/convert.h"
+
+namespace kv {
+namespace {
+
+using testing::AllCacheKinds;
+using testing::CacheKind;
+using testing::Driver;
+using testing::kAllDTypes;
+
+// ---- CRC32C
+// ---------------------------------------------------------------------------------------
+
+TEST(Crc32c, KnownVectors) {
+  EXPECT_EQ(Crc32c(0, "123456789", 9), 0xE3069283u);
+  std::vector<uint8_t> zeros(32, 0), ones(32, 0xFF), inc(32);
+  for (int i = 0; i < 32; ++i) inc[i] = static_cast<uint8_t>(i);
+  // RFC 3720 (iSCSI) appendix B.4.
+  EXPECT_EQ(Crc32c(0, zeros.data(), 32), 0x8A9136AAu);
+  EXPECT_EQ(Crc32c(0, ones.data(), 32), 0x62A8AB43u);
+  EXPECT_EQ(Crc32c(0, inc.data(), 32), 0x46DD794Eu);
+  EXPECT_EQ(Crc32c(0, nullptr, 0), 0u);
+}
+
+TEST(Crc32c, IncrementalAndUnalignedMatchOneShot) {
+  std::vector<uint8_t> data(1000);
+  std::mt19937 rng(7);
+  for (auto& b : data) b = static_cast<uint8_t>(rng());
+  for (size_t off : {0, 1, 3, 7}) {
+    const uint32_t whole = Crc32c(0, data.data() + off, data.size() - off);
+    for (size_t cut : {0, 1, 5, 8, 13, 500}) {
+      const uint32_t a = Crc32c(0, data.data() + off, cut);
+      EXPECT_EQ(Crc32c(a, data.data() + off + cut, data.size() - off - cut), whole);
+    }
+  }
+}
+
+// ---- helpers
+// --------------------------------------------------------------------------------------
+
+std::unique_ptr<CausalCache> MakeInit(const CacheKind& kind, DType dtype, int seqs = 2,
+                                      int capacity = 48, int batch = 8, bool permuted = false) {
+  auto c = kind.make();
+  CacheConfig cfg;
+  cfg.permuted_v = permuted;
+  EXPECT_TRUE(c->SetConfig(cfg).ok());
+  EXPECT_TRUE(c->Init(dtype, seqs, capacity, batch).ok());
+  return c;
+}
+
+// Fills two sequences and decodes a little (window trimming happens for the SWA-with-memory kind).
+void Fill(Driver& d, CausalCache* c) {
+  ASSERT_TRUE(d.Prefill(c, 0, 0, 8).ok());
+  ASSERT_TRUE(d.Prefill(c, 1, 0, 5).ok());
+  for (int t = 0; t < 4; ++t) ASSERT_TRUE(d.Tokens(c, {{0, 8 + t}, {1, 5 + t}}).ok());
+  ASSERT_TRUE(d.Tokens(c, {{0, 12}}).ok());
+}
+
+// Everything observable about a cache's contents: its own stream (cells, positions, sequence
+// sets, rows) and its memory.
+std::vector<uint8_t> Fingerprint(const CausalCache& c, bool with_memory = true) {
+  std::vector<uint8_t> s;
+  EXPECT_TRUE(SaveCache(c, &s).ok());
+  if (!with_memory) return s;
+  const size_t mem = c.MemoryBytes();
+  const uint8_t* m = reinterpret_cast<const uint8_t*>(&mem);
+  s.insert(s.end(), m, m + sizeof(mem));
+  return s;
+}
+
+std::vector<float> ViewFloats(const TensorView& v) {
+  std::vector<float> f(static_cast<size_t>(v.ne[0] * v.ne[1] * v.ne[2] * v.ne[3]));
+  if (v.data != nullptr) kernels::ViewToF32(v, f.data());
+  return f;
+}
+
+// Decodes the same steps on a and b and requires identical histories and attention outputs.
+void ExpectSameFuture(Driver& d, CausalCache* a, CausalCache* b, int steps, bool exact = true,
+                      int seq_a = 0, int seq_b = 0, int32_t from = 13) {
+  std::vector<float> oa(d.layers * d.out.size()), ob(oa.size());
+  d.value_seq = seq_a;  // the same values whatever the sequence id
+  for (int t = 0; t < steps; ++t) {
+    d.seq[0] = seq_a;
+    d.pos[0] = from + t;
+    ASSERT_TRUE(d.Step(a, 1, oa.data()).ok());
+    d.seq[0] = seq_b;
+    d.pos[0] = from + t;
+    ASSERT_TRUE(d.Step(b, 1, ob.data()).ok());
+    for (int l = 0; l < d.layers; ++l) {
+      const size_t n = static_cast<size_t>(d.dv) * d.q_heads;
+      const float* pa = oa.data() + l * d.out.size();
+      const float* pb = ob.data() + l * d.out.size();
+      if (exact) {
+        ASSERT_EQ(std::memcmp(pa, pb, n * sizeof(float)), 0) << "step " << t << " layer " << l;
+      } else {
+        for (size_t i = 0; i < n; ++i) ASSERT_NEAR(pa[i], pb[i], 1e-5f) << "step " << t;
+      }
+    }
+    if (exact) {
+      a->SetLayer(1);
+      b->SetLayer(1);
+      const History ha = a->Get(), hb = b->Get();
+      ASSERT_EQ(ha.mask.ne[0], hb.mask.ne[0]);
+      ASSERT_EQ(std::memcmp(ha.mask.data, hb.mask.data, ha.mask.nb[1] * ha.mask.ne[1]), 0);
+      // Rows of visible cells are identical; hidden cells (freed by trimming) may hold stale rows
+      // in a and zeros in b, which attention never reads.
+      const std::vector<float> ka = ViewFloats(ha.k), kb = ViewFloats(hb.k);
+      const std::vector<float> va = ViewFloats(ha.v), vb = ViewFloats(hb.v);
+      ASSERT_EQ(ka.size(), kb.size());
+      ASSERT_EQ(va.size(), vb.size());
+      const int64_t L = ha.mask.ne[0];
+      const size_t krow = ka.size() / L, vrow = va.size() / L;
+      const bool permuted = ha.v.ne[0] == L && ha.v.ne[2] != L;
+      for (int64_t j = 0; j < L; ++j) {
+        const float m =
+            ha.mask.dtype == DType::kF32 ? static_cast<const float*>(ha.mask.data)[j] : 0.0f;
+        if (m != 0.0f) continue;
+        for (size_t e = 0; e < krow; ++e) ASSERT_EQ(ka[j * krow + e], kb[j * krow + e]) << j;
+        if (!permuted) {
+          for (size_t e = 0; e < vrow; ++e) ASSERT_EQ(va[j * vrow + e], vb[j * vrow + e]) << j;
+        } else {
+          for (size_t e = 0; e < vrow; ++e) ASSERT_EQ(va[e * L + j], vb[e * L + j]) << j;
+        }
+      }
+    }
+  }
+  EXPECT_TRUE(a->CheckConsistency().ok());
+  EXPECT_TRUE(b->CheckConsistency().ok());
+  d.value_seq = -1;
+}
+
+// ---- whole-cache round trips
+// ----------------------------------------------------------------------
+
+TEST(PersistenceRoundTrip, EveryKindAndDTypeContinuesIdentically) {
+  for (const CacheKind& kind : AllCacheKinds()) {
+    for (DType dtype : kAllDTypes) {
+      for (bool permuted : {false, true}) {
+        if (permuted && IsQuantized(dtype)) continue;
+        SCOPED_TRACE(std::string(kind.name) + " " + DTypeName(dtype) +
+                     (permuted ? " permuted" : ""));
+        Driver d;
+        auto a = MakeInit(kind, dtype, 2, 48, 8, permuted);
+        Fill(d, a.get());
+        std::vector<uint8_t> bytes;
+        ASSERT_TRUE(SaveCache(*a, &bytes).ok());
+        auto b = MakeInit(kind, dtype, 2, 48, 8, permuted);
+        const Status s = LoadCache(bytes, b.get());
+        ASSERT_TRUE(s.ok()) << s.message();
+        ASSERT_TRUE(b->CheckConsistency().ok());
+        EXPECT_EQ(Fingerprint(*a, false), Fingerprint(*b, false));
+        // Get before a StartForward: no current pass after a load.
+        EXPECT_EQ(b->Get().mask.data, nullptr);
+        ExpectSameFuture(d, a.get(), b.get(), 12);
+      }
+    }
+  }
+}
+
+TEST(PersistenceRoundTrip, LoadOverAUsedCacheAndAcrossVLayouts) {
+  // The target already holds other tokens and another layer: the load replaces everything; its
+  // permuted V layout differs from the saved one (rows are stored canonically).
+  Driver d;
+  const CacheKind kind = AllCacheKinds()[0];
+  auto a = MakeInit(kind, DType::kF16);
+  Fill(d, a.get());
+  std::vector<uint8_t> bytes;
+  ASSERT_TRUE(SaveCache(*a, &bytes).ok());
+  auto b = MakeInit(kind, DType::kF16, 2, 48, 8, /*permuted=*/true);
+  Driver d3;
+  d3.layers = 3;
+  ASSERT_TRUE(d3.Prefill(b.get(), 1, 0, 7).ok());
+  ASSERT_TRUE(LoadCache(bytes, b.get()).ok());
+  ASSERT_TRUE(b->CheckConsistency().ok());
+  b->SetLayer(2);  // not in the stream: zeroed
+  ASSERT_TRUE(d.Tokens(b.get(), {{0, 13}}).ok());
+  b->SetLayer(2);
+  for (float f : ViewFloats(b->Get().k)) ASSERT_EQ(f, 0.0f);
+  // The saved layers hold the same rows: compare the histories of layer 0 after one more token.
+  ASSERT_TRUE(d.Tokens(a.get(), {{0, 13}}).ok());
+  a->SetLayer(0);
+  b->SetLayer(0);
+  EXPECT_EQ(ViewFloats(a->Get().k), ViewFloats(b->Get().k));
+  EXPECT_EQ(ViewFloats(a->Get().v).size(), ViewFloats(b->Get().v).size());
+}
+
+TEST(PersistenceRoundTrip, EmptyAndSharedCells) {
+  Driver d;
+  auto a = MakeInit(AllCacheKinds()[0], DType::kF32, 3);
+  std::vector<uint8_t> bytes;
+  ASSERT_TRUE(SaveCache(*a, &bytes).ok());  // nothing held, no layer
+  auto b = MakeInit(AllCacheKinds()[0], DType::kF32, 3);
+  ASSERT_TRUE(d.Prefill(b.get(), 0, 0, 4).ok());
+  ASSERT_TRUE(LoadCache(bytes, b.get()).ok());
+  ASSERT_TRUE(b->CheckConsistency().ok());
+  ASSERT_TRUE(d.Tokens(b.get(), {{0, 0}}).ok());
+  EXPECT_EQ(b->Get().mask.ne[0], 1);  // only the new token: every old cell is free
+  // Shared cells (CopyPrefix) keep their sequence sets.
+  ASSERT_TRUE(d.Prefill(a.get(), 0, 0, 6).ok());
+  ASSERT_TRUE(a->CopyPrefix(0, 2, 4).ok());
+  ASSERT_TRUE(SaveCache(*a, &bytes).ok());
+  auto c = MakeInit(AllCacheKinds()[0], DType::kF32, 3);
+  ASSERT_TRUE(LoadCache(bytes, c.get()).ok());
+  ASSERT_TRUE(c->CheckConsistency().ok());
+  std::vector<uint8_t> again;
+  ASSERT_TRUE(SaveCache(*c, &again).ok());
+  EXPECT_EQ(bytes, again);
+  ExpectSameFuture(d, a.get(), c.get(), 3, true, 2, 2, 4);
+}
+
+// ---- one sequence
+// -----------------------------------------------------------------------------------
+
+TEST(PersistenceSequence, IntoAFreshCacheUnderAnotherId) {
+  for (const CacheKind& kind : AllCacheKinds()) {
+    for (DType dtype : kAllDTypes) {
+      SCOPED_TRACE(std::string(kind.name) + " " + DTypeName(dtype));
+      Driver d;
+      auto a = MakeInit(kind, dtype);
+      Fill(d, a.get());
+      std::vector<uint8_t> bytes;
+      ASSERT_TRUE(SaveCache(*a, &bytes, 1).ok());
+      auto b = MakeInit(kind, dtype, 3, 48, 8);  // another sequence count is fine
+      const Status s = LoadCache(bytes, b.get(), 2);
+      ASSERT_TRUE(s.ok()) << s.message();
+      ASSERT_TRUE(b->CheckConsistency().ok());
+      EXPECT_TRUE(b->CanResume(2, 9));
+      // Sequence 1 of a continues as sequence 2 of b. The visible cells are the same, in the
+      // same order; their physical offsets differ, so sums may round differently.
+      ExpectSameFuture(d, a.get(), b.get(), 8, /*exact=*/false, 1, 2, 9);
+    }
+  }
+}
+
+TEST(PersistenceSequence, IntoACacheHoldingOthersLeavesThemAlone) {
+  Driver d;
+  const CacheKind kind = AllCacheKinds()[0];
+  auto a = MakeInit(kind, DType::kF32);
+  Fill(d, a.get());
+  std::vector<uint8_t> seq0;
+  ASSERT_TRUE(SaveCache(*a, &seq0, 0).ok());
+  auto b = MakeInit(kind, DType::kF32);
+  ASSERT_TRUE(d.Prefill(b.get(), 1, 0, 6).ok());
+  ASSERT_TRUE(d.Prefill(b.get(), 0, 0, 3).ok());  // replaced by the load
+  std::vector<uint8_t> b1_before;
+  ASSERT_TRUE(SaveCache(*b, &b1_before, 1).ok());
+  ASSERT_TRUE(LoadCache(seq0, b.get()).ok());  // -1: the saved id, 0
+  ASSERT_TRUE(b->CheckConsistency().ok());
+  std::vector<uint8_t> b1_after, b0_after;
+  ASSERT_TRUE(SaveCache(*b, &b1_after, 1).ok());
+  EXPECT_EQ(b1_before, b1_after);
+  ASSERT_TRUE(SaveCache(*b, &b0_after, 0).ok());
+  // Same positions and rows as saved; the informative source cell indices differ.
+  auto b0 = MakeInit(kind, DType::kF32);
+  ASSERT_TRUE(LoadCache(b0_after, b0.get()).ok());
+  ExpectSameFuture(d, a.get(), b.get(), 5, false, 0, 0, 13);
+}
+
+TEST(PersistenceSequence, CacheFullChangesNothing) {
+  Driver d;
+  const CacheKind kind = AllCacheKinds()[0];
+  auto a = MakeInit(kind, DType::kF32, 1, 20, 8);
+  ASSERT_TRUE(d.Prefill(a.get(), 0, 0, 8).ok());
+  ASSERT_TRUE(d.Prefill(a.get(), 0, 8, 8).ok());
+  std::vector<uint8_t> bytes;
+  ASSERT_TRUE(SaveCache(*a, &bytes, 0).ok());
+  auto b = MakeInit(kind, DType::kF32, 2, 10, 8);  // 20 cells
+  ASSERT_TRUE(d.Prefill(b.get(), 1, 0, 8).ok());
+  const auto before = Fingerprint(*b);
+  EXPECT_EQ(LoadCache(bytes, b.get(), 0).code(), Code::kCacheFull);  // 16 needed, 12 free
+  EXPECT_EQ(Fingerprint(*b), before);
+  // Into sequence 1 itself: its own 8 cells count as free.
+  EXPECT_TRUE(LoadCache(bytes, b.get(), 1).ok());
+  EXPECT_TRUE(b->CheckConsistency().ok());
+}
+
+// ---- failures leave the target unchanged
+// -----------------------------------------------------------
+
+class PersistenceFailure : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    src_ = MakeInit(AllCacheKinds()[0], DType::kQ8_0);
+    Fill(d_, src_.get());
+    ASSERT_TRUE(SaveCache(*src_, &bytes_).ok());
+    target_ = MakeInit(AllCacheKinds()[0], DType::kQ8_0);
+    ASSERT_TRUE(d_.Prefill(target_.get(), 1, 0, 3).ok());
+    before_ = Fingerprint(*target_);
+  }
+  void ExpectUnchanged() { EXPECT_EQ(Fingerprint(*target_), before_); }
+  // Rewrites the total and checksum after an edit, so only the field checks can catch it.
+  static void Reseal(std::vector<uint8_t>* b) {
+    const uint64_t total = b->size();
+    for (int i = 0; i < 8; ++i) (*b)[16 + i] = static_cast<uint8_t>(total >> (8 * i));
+    const uint32_t crc = Crc32c(0, b->data(), b->size() - 4);
+    for (int i = 0; i < 4; ++i) (*b)[b->size() - 4 + i] = static_cast<uint8_t>(crc >> (8 * i));
+  }
+  static void Set32(std::vector<uint8_t>* b, size_t off, uint32_t v) {
+    for (int i = 0; i < 4; ++i) (*b)[off + i] = static_cast<uint8_t>(v >> (8 * i));
+  }
+  Driver d_;
+  std::unique_ptr<CausalCache> src_, target_;
+  std::vector<uint8_t> bytes_, before_;
+};
+
+// Offsets of the causal body (persistence.h).
+constexpr size_t kDType = 24, kWindow = 28, kCapacity = 48, kCells = 56, kSavedSeq = 60,
+                 kLayers = 64, kLayer0 = 68, kCellCount = 68 + 2 * 16, kCell0 = kCellCount + 4;
+
+TEST_F(PersistenceFailure, OtherShapeDTypeOrKind) {
+  auto other_dtype = MakeInit(AllCacheKinds()[0], DType::kF16);
+  EXPECT_EQ(LoadCache(bytes_, other_dtype.get()).code(), Code::kInvalidArgument);
+  auto other_cap = MakeInit(AllCacheKinds()[0], DType::kQ8_0, 2, 40);
+  EXPECT_EQ(LoadCache(bytes_, other_cap.get()).code(), Code::kInvalidArgument);
+  auto other_kind = MakeInit(AllCacheKinds()[1], DType::kQ8_0);
+  EXPECT_EQ(LoadCache(bytes_, other_kind.get()).code(), Code::kInvalidArgument);
+  EXPECT_EQ(LoadCache(bytes_, target_.get(), 0).code(), Code::kInvalidArgument);  // whole + seq
+  // Layer shapes: the target's layer 0 already holds another head_dim.
+  auto other_heads = MakeInit(AllCacheKinds()[0], DType::kQ8_0);
+  Driver wide;
+  wide.dk = 64;
+  wide.Resize();
+  ASSERT_TRUE(wide.Prefill(other_heads.get(), 0, 0, 2).ok());
+  const auto fp = Fingerprint(*other_heads);
+  const Status s = LoadCache(bytes_, other_heads.get());
+  EXPECT_EQ(s.code(), Code::kInvalidArgument);
+  EXPECT_STRNE(s.message(), "");
+  EXPECT_EQ(Fingerprint(*other_heads), fp);
+  auto uninit = AllCacheKinds()[0].make();
+  EXPECT_EQ(LoadCache(bytes_, uninit.get()).code(), Code::kInvalidArgument);
+  EXPECT_EQ(SaveCache(*uninit, &bytes_).code(), Code::kInvalidArgument);
+  EXPECT_EQ(SaveCache(*src_, &bytes_, 2).code(), Code::kInvalidArgument);
+  ExpectUnchanged();
+}
+
+TEST_F(PersistenceFailure, EveryTruncationIsCorrupt) {
+  for (size_t n = 0; n < bytes_.size(); n += (n < 512 ? 1 : 97)) {
+    const Status s = LoadCache(std::span<const uint8_t>(bytes_.data(), n), target_.get());
+    ASSERT_EQ(s.code(), Code::kCorrupt) << n;
+  }
+  std::vector<uint8_t> longer = bytes_;
+  longer.push_back(0);
+  EXPECT_EQ(LoadCache(longer, target_.get()).code(), Code::kCorrupt);
+  ExpectUnchanged();
+}
+
+TEST_F(PersistenceFailure, EveryFlippedByteIsRejected) {
+  std::vector<uint8_t> b = bytes_;
+  for (size_t i = 0; i < b.size(); i += (i < 1024 ? 1 : 13)) {
+    b[i] ^= 0x10;
+    const Status s = LoadCache(b, target_.get());
+    ASSERT_FALSE(s.ok()) << i;
+    b[i] ^= 0x10;
+  }
+  ExpectUnchanged();
+  EXPECT_TRUE(LoadCache(b, target_.get()).ok());
+}
+
+TEST_F(PersistenceFailure, HostileFieldsBehindAValidChecksum) {
+  struct Edit {
+    size_t off;
+    uint32_t value;
+    Code code;
+  };
+  const Edit edits[] = {
+      {kDType, 9, Code::kCorrupt},               // no such dtype
+      {kWindow, 0, Code::kCorrupt},              // window 0
+      {kCapacity, 40, Code::kInvalidArgument},   // a consistent other shape
+      {kCells, 0x7FFFFFFF, Code::kCorrupt},      // cells beyond the limit
+      {kSavedSeq, 5, Code::kCorrupt},            // sequence beyond max_sequences
+      {kLayers, 100000, Code::kCorrupt},         // too many layers
+      {kLayers, 3, Code::kCorrupt},              // records then misparse
+      {kLayer0 + 4, 0x7FFFFFF, Code::kCorrupt},  // huge head_dim: rows past the end
+      {kLayer0 + 12, 65536, Code::kCorrupt},     // many heads: byte count overflows the span
+      {kLayer0 + 4, 33, Code::kCorrupt},         // not a multiple of 32 for q8_0
+      {kCellCount, 0xFFFFFFFF, Code::kCorrupt},  // more cells than the cache
+      {kCellCount, 3, Code::kCorrupt},           // fewer cells: rows misparse
+      {kCell0, 0xFFFFFFFF, Code::kCorrupt},      // negative cell
+      {kCell0, 1000, Code::kCorrupt},            // cell out of range
+      {kCell0 + 8, 0, Code::kCorrupt},           // duplicate cell 0
+      {12, 2, Code::kInvalidArgument},           // a sequence-cache stream
+      {8, 2, Code::kNotSupported},               // a newer version
+  };
+  for (const Edit& e : edits) {
+    std::vector<uint8_t> b = bytes_;
+    Set32(&b, e.off, e.value);
+    Reseal(&b);
+    const Status s = LoadCache(b, target_.get());
+    EXPECT_EQ(s.code(), e.code) << "offset " << e.off << " value " << e.value << ": "
+                                << s.message();
+  }
+  // Sequence bits: none, or a sequence beyond max_sequences.
+  const uint32_t n = bytes_[kCellCount];
+  const size_t bits0 = kCell0 + 8 * n;
+  for (uint32_t v : {0u, 4u}) {
+    std::vector<uint8_t> b = bytes_;
+    Set32(&b, bits0, v);
+    Reseal(&b);
+    EXPECT_EQ(LoadCache(b, target_.get()).code(), Code::kCorrupt) << v;
+  }
+  ExpectUnchanged();
+}
+
+TEST_F(PersistenceFailure, RandomMutationsNeverBreakTheTarget) {
+  // Resealed random edits: the load either fails (target unchanged) or succeeds with a table that
+  // satisfies every invariant. Under ASan this also shows the reader stays in bounds.
+  std::mt19937 rng(1234);
+  for (int iter = 0; iter < 3000; ++iter) {
+    std::vector<uint8_t> b = bytes_;
+    const int edits = 1 + static_cast<int>(rng() % 4);
+    for (int e = 0; e < edits; ++e) {
+      const size_t at = 24 + rng() % (std::min<size_t>(b.size() - 28, 400));
+      b[at] = static_cast<uint8_t>(rng());
+    }
+    if (rng() % 8 == 0) b.resize(24 + rng() % (b.size() - 24));
+    if (b.size() >= 28) Reseal(&b);
+    auto t = MakeInit(AllCacheKinds()[0], DType::kQ8_0);
+    ASSERT_TRUE(d_.Prefill(t.get(), 1, 0, 3).ok());
+    const Status s = LoadCache(b, t.get());
+    if (s.ok()) {
+      ASSERT_TRUE(t->CheckConsistency().ok()) << iter;
+    } else {
+      ASSERT_EQ(Fingerprint(*t), before_) << iter;
+    }
+  }
+}
+
+// ---- files
+// -----------------------------------------------------------------------------------------
+
+std::string TempPath(const char* name) {
+  const char* dir = std::getenv("TMPDIR");
+  return std::string(dir ? dir : "/tmp") + "/kvcache_persist_" + std::to_string(::getpid()) + "_" +
+         name;
+}
+
+bool Exists(const std::string& p) {
+  struct stat st;
+  return ::stat(p.c_str(), &st) == 0;
+}
+
+TEST(PersistenceFile, RoundTripAndAtomicReplace) {
+  Driver d;
+  const CacheKind kind = AllCacheKinds()[2];
+  auto a = MakeInit(kind, DType::kBF16);
+  Fill(d, a.get());
+  const std::string path = TempPath("cache.kv");
+  ASSERT_TRUE(SaveCacheFile(*a, path.c_str()).ok());
+  EXPECT_FALSE(Exists(path + ".tmp"));
+  std::vector<uint8_t> first;
+  ASSERT_TRUE(SaveCache(*a, &first).ok());
+
+  // A crash mid-save leaves a partial .tmp behind: the previous file is intact and loads.
+  FILE* f = std::fopen((path + ".tmp").c_str(), "wb");
+  ASSERT_NE(f, nullptr);
+  std::fwrite(first.data(), 1, first.size() / 2, f);
+  std::fclose(f);
+  auto b = MakeInit(kind, DType::kBF16);
+  ASSERT_TRUE(LoadCacheFile(path.c_str(), b.get()).ok());
+  EXPECT_EQ(Fingerprint(*a, false), Fingerprint(*b, false));
+  // A failed save (uninitialized cache) writes nothing.
+  auto uninit = kind.make();
+  EXPECT_FALSE(SaveCacheFile(*uninit, path.c_str()).ok());
+  // The next save replaces the file and the stale .tmp.
+  ASSERT_TRUE(d.Tokens(a.get(), {{0, 13}}).ok());
+  ASSERT_TRUE(SaveCacheFile(*a, path.c_str(), 0).ok());
+  EXPECT_FALSE(Exists(path + ".tmp"));
+  auto c = MakeInit(kind, DType::kBF16);
+  ASSERT_TRUE(LoadCacheFile(path.c_str(), c.get()).ok());
+  ExpectSameFuture(d, a.get(), c.get(), 4, false, 0, 0, 14);
+
+  // A truncated file is kCorrupt and changes nothing.
+  f = std::fopen(path.c_str(), "r+b");
+  ASSERT_NE(f, nullptr);
+  ASSERT_EQ(::ftruncate(fileno(f), 100), 0);
+  std::fclose(f);
+  const auto fp = Fingerprint(*c);
+  EXPECT_EQ(LoadCacheFile(path.c_str(), c.get()).code(), Code::kCorrupt);
+  EXPECT_EQ(Fingerprint(*c), fp);
+  EXPECT_EQ(LoadCacheFile((path + ".missing").c_str(), c.get()).code(), Code::kInvalidArgument);
+  std::remove(path.c_str());
+}
+
+TEST(PersistenceFile, EncoderAndWrapperAreNotSupported) {
+  auto enc = NewEncoderCache();
+  ASSERT_TRUE(enc->Init(DType::kF32, 1, 16, 4).ok());
+  std::vector<uint8_t> b;
+  EXPECT_EQ(SaveCache(*enc, &b).code(), Code::kNotSupported);
+  EXPECT_EQ(LoadCache(b, enc.get()).code(), Code::kNotSupported);
+}
+
+// ---- growing and rotating caches ---------------------------------------------------------------
+
+void UpdateSeq(SequenceCache* c, int step, int n, TensorView* ko, TensorView* vo) {
+  const int D = 32, H = 2, B = 1;
+  std::vector<float> k(static_cast<size_t>(D) * n * H * B), v(k.size());
+  for (size_t i = 0; i < k.size(); ++i) {
+    k[i] = testing::HashValue(step, i, 1);
+    v[i] = testing::HashValue(step, i, 2);
+  }
+  ASSERT_TRUE(c->Update(MakeView(k.data(), DType::kF32, {D, n, H, B}),
+                        MakeView(v.data(), DType::kF32, {D, n, H, B}), n, ko, vo)
+                  .ok());
+}
+
+TEST(PersistenceSequenceCache, RoundTripEveryDTypeGrowingAndRotating) {
+  for (DType dtype : kAllDTypes) {
+    for (int rotating = 0; rotating < 2; ++rotating) {
+      SCOPED_TRACE(std::string(DTypeName(dtype)) + (rotating ? " rotating" : " growing"));
+      auto make = [&] { return rotating ? NewRotatingKVCache(24, 2, dtype) : NewKVCache(dtype); };
+      auto a = make();
+      TensorView ko, vo;
+      UpdateSeq(a.get(), 0, 20, &ko, &vo);
+      for (int t = 1; t < 10; ++t) UpdateSeq(a.get(), t, 1, &ko, &vo);
+      std::vector<uint8_t> bytes;
+      ASSERT_TRUE(SaveSequenceCache(*a, &bytes).ok());
+      auto b = make();
+      const Status s = LoadSequenceCache(bytes, b.get());
+      ASSERT_TRUE(s.ok()) << s.message();
+      EXPECT_EQ(a->Offset(), b->Offset());
+      EXPECT_EQ(a->Len(), b->Len());
+      for (int t = 10; t < 20; ++t) {
+        TensorView ka, va, kb, vb;
+        UpdateSeq(a.get(), t, t == 15 ? 3 : 1, &ka, &va);
+        UpdateSeq(b.get(), t, t == 15 ? 3 : 1, &kb, &vb);
+        ASSERT_EQ(ViewFloats(ka), ViewFloats(kb)) << t;
+        ASSERT_EQ(ViewFloats(va), ViewFloats(vb)) << t;
+      }
+    }
+  }
+}
+
+TEST(PersistenceSequenceCache, FailuresChangeNothing) {
+  auto a = NewRotatingKVCache(16, 1, DType::kF16);
+  TensorView ko, vo;
+  UpdateSeq(a.get(), 0, 10, &ko, &vo);
+  std::vector<uint8_t> bytes;
+  ASSERT_TRUE(SaveSequenceCache(*a, &bytes).ok());
+  auto other = NewRotatingKVCache(16, 2, DType::kF16);
+  EXPECT_EQ(LoadSequenceCache(bytes, other.get()).code(), Code::kInvalidArgument);
+  auto b = NewRotatingKVCache(16, 1, DType::kF16);
+  UpdateSeq(b.get(), 5, 3, &ko, &vo);
+  for (size_t n = 0; n < bytes.size(); n += 7) {
+    ASSERT_EQ(LoadSequenceCache(std::span<const uint8_t>(bytes.data(), n), b.get()).code(),
+              Code::kCorrupt);
+  }
+  std::vector<uint8_t> flipped = bytes;
+  flipped[40] ^= 1;
+  EXPECT_EQ(LoadSequenceCache(flipped, b.get()).code(), Code::kCorrupt);
+  EXPECT_EQ(b->Offset(), 3);
+  // Causal and sequence streams are not interchangeable.
+  auto causal = MakeInit(AllCacheKinds()[0], DType::kF16);
+  EXPECT_EQ(LoadCache(bytes, causal.get()).code(), Code::kInvalidArgument);
+  const std::string path = TempPath("seq.kv");
+  ASSERT_TRUE(SaveSequenceCacheFile(*a, path.c_str()).ok());
+  ASSERT_TRUE(LoadSequenceCacheFile(path.c_str(), b.get()).ok());
+  EXPECT_EQ(b->Offset(), 10);
+  std::remove(path.c_str());
+}
+
+}  // namespace
+}  // namespace kv
