@@ -22,7 +22,12 @@
 //   run reaches the end of the block it is moved back to the front once (at most max_size - 1 rows
 //   every `slack` tokens). Bytes moved per decoded token after wrap-around, amortized, per (b, h)
 //   and K or V: row_stride * (keep + (max_size - 1) / slack), plus the row written. Stats() counts
-//   them. A prefill longer than the block grows it (geometrically); decode never allocates.
+//   them. Measured (perf/bench_sequence_cache.cc; f16, H 8, D 128, keep 4): 24.6 KB moved per
+//   decoded token at max_size 4096 and 32768, 6 rows per (b, h, K|V), against 16.8 MB and 134 MB
+//   for copying the window into temporal order per token. The block grows 1.5x (256-token steps)
+//   up to max_size + slack while filling; only a prefill that needs more grows it further; decode
+//   never allocates. Known cost: the compaction is one call's work (max_size - 1 rows per (b, h)),
+//   a latency spike once every `slack` tokens.
 #ifndef KVCACHE_CORE_SEQUENCE_CACHE_H_
 #define KVCACHE_CORE_SEQUENCE_CACHE_H_
 

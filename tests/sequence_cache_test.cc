@@ -418,6 +418,24 @@ TEST(SequenceCacheBadInput, RejectedWithoutChange) {
   }
 }
 
+// Sizes that cannot be allocated or counted fail before anything changes (the input is never read).
+TEST(SequenceCacheBadInput, ImpossibleSizesChangeNothing) {
+  Driver d(NewRotatingKVCache(8, 2, DType::kF16), DType::kF16);
+  std::vector<float> dummy(64, 0.0f);
+  TensorView ko, vo;
+  TensorView huge =
+      MakeView(dummy.data(), DType::kF32, {32, 1, int64_t{1} << 30, int64_t{1} << 30});
+  EXPECT_EQ(d.cache()->Update(huge, huge, 1, &ko, &vo).code(), Code::kOutOfMemory);
+  EXPECT_EQ(d.cache()->Offset(), 0);
+  for (int p = 0; p < 5; ++p) ASSERT_TRUE(d.Append(1).ok());
+  const int n = INT32_MAX - 2;  // the offset would overflow
+  TensorView many = MakeView(dummy.data(), DType::kF32, {32, n, 2, 2});
+  EXPECT_EQ(d.cache()->Update(many, many, n, &ko, &vo).code(), Code::kInvalidArgument);
+  EXPECT_EQ(d.cache()->Offset(), 5);
+  ASSERT_TRUE(d.Append(1).ok());
+  d.Expect(Range(0, 6), "unchanged");
+}
+
 TEST(SequenceCacheBadInput, QuantizedFirstUpdateNeedsDimMultipleOf32) {
   auto c = NewKVCache(DType::kQ4_0);
   std::vector<float> k(16, 1.0f);
