@@ -366,8 +366,12 @@ Status CausalCacheImpl::Serialize(std::vector<uint8_t>* out, int seq) const {
   PutI32(out, max_batch_);
   PutI32(out, n_cells);
   PutI32(out, seq);
-  PutI32(out, static_cast<int32_t>(layers_.size()));
-  for (const LayerStorage& l : layers_) {
+  // Trailing layers without storage carry nothing (a failed first Put leaves one behind).
+  size_t n_layers = layers_.size();
+  while (n_layers > 0 && !layers_[n_layers - 1].allocated) --n_layers;
+  PutI32(out, static_cast<int32_t>(n_layers));
+  for (size_t li = 0; li < n_layers; ++li) {
+    const LayerStorage& l = layers_[li];
     PutU8(out, l.allocated ? 1 : 0);
     PutU8(out, 0);
     PutU8(out, 0);

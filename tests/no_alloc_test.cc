@@ -1,0 +1,267 @@
+// No heap allocation in steady-state decode (ARCHITECTURE.md rules of the house): after warm-up,
+// StartForward + Put + Get + Attend for B = 1 allocate nothing, for every cache kind of the causal
+// family and every storage dtype, with Attend on the calling thread and on a 2-thread pool.
+//
+// How allocations are counted: this executable defines malloc, calloc, realloc, free,
+// aligned_alloc, posix_memalign and memalign itself, forwarding to glibc's __libc_* entry points.
+// The dynamic linker binds every malloc call in the process to these definitions (the library, the
+// C++ runtime's operator new, Highway's aligned allocator, other threads), so the counter sees
+// every heap allocation, not only those made through operator new. Sanitizer builds bring their own
+// malloc; there the tests skip.
+//
+// Warm-up, as a runtime does it: Init, one reserve pass (StartForward(reserve = true) with the
+// largest batch, then Put, Get and Attend on every layer: it allocates the layers, grows the mask
+// to B x cells and Attend's per-thread scratch to the largest history), then a few ordinary steps.
+// Each pool worker is also made to run one decode-shaped Attend, because a worker's per-thread
+// scratch is created by the first task it happens to take.
+#include <malloc.h>
+
+#include <atomic>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "core/thread_pool.h"
+#include "decode_driver.h"
+#include "gtest/gtest.h"
+#include "hwy/aligned_allocator.h"
+
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+#define KV_COUNT_ALLOCATIONS 0
+#else
+#define KV_COUNT_ALLOCATIONS 1
+#endif
+
+namespace {
+std::atomic<bool> g_counting{false};
+std::atomic<int64_t> g_allocations{0};
+inline void Count() {
+  if (g_counting.load(std::memory_order_relaxed))
+    g_allocations.fetch_add(1, std::memory_order_relaxed);
+}
+}  // namespace
+
+#if KV_COUNT_ALLOCATIONS
+extern "C" {
+void* __libc_malloc(size_t);
+void* __libc_calloc(size_t, size_t);
+void* __libc_realloc(void*, size_t);
+void __libc_free(void*);
+void* __libc_memalign(size_t, size_t);
+
+void* malloc(size_t n) {
+  Count();
+  return __libc_malloc(n);
+}
+void* calloc(size_t n, size_t s) {
+  Count();
+  return __libc_calloc(n, s);
+}
+void* realloc(void* p, size_t n) {
+  Count();
+  return __libc_realloc(p, n);
+}
+void free(void* p) { __libc_free(p); }
+void* memalign(size_t a, size_t n) {
+  Count();
+  return __libc_memalign(a, n);
+}
+void* aligned_alloc(size_t a, size_t n) {
+  Count();
+  return __libc_memalign(a, n);
+}
+int posix_memalign(void** out, size_t a, size_t n) {
+  Count();
+  void* p = __libc_memalign(a, n);
+  if (p == nullptr) return 12;  // ENOMEM
+  *out = p;
+  return 0;
+}
+}
+#endif
+
+namespace kv {
+namespace {
+
+using testing::AllCacheKinds;
+using testing::CacheKind;
+using testing::Driver;
+using testing::kAllDTypes;
+
+TEST(NoAllocation, TheCounterSeesEveryKindOfAllocation) {
+#if !KV_COUNT_ALLOCATIONS
+  GTEST_SKIP() << "sanitizer build: malloc belongs to the sanitizer";
+#endif
+  // volatile: the compiler may not elide an allocation whose pointer escapes.
+  void* volatile a = nullptr;
+  int* volatile b = nullptr;
+  void* volatile c = nullptr;
+  g_allocations = 0;
+  g_counting = true;
+  a = std::malloc(10);
+  b = new int[4];
+  c = std::aligned_alloc(64, 128);
+  g_counting = false;
+  std::free(a);
+  delete[] b;
+  std::free(c);
+  EXPECT_EQ(g_allocations.load(), 3);
+  // Allocations inside the library and inside Highway's shared library are seen too.
+  g_allocations = 0;
+  g_counting = true;
+  {
+    auto cache = NewCausalCache();
+    EXPECT_TRUE(cache->Init(DType::kF16, 1, 16, 4).ok());
+    auto buf = hwy::AllocateAligned<float>(100);
+    EXPECT_NE(buf.get(), nullptr);
+  }
+  g_counting = false;
+  EXPECT_GE(g_allocations.load(), 3);
+}
+
+struct Barrier {
+  std::atomic<int> arrived{0};
+  int n = 0;
+};
+
+// Runs one decode-shaped Attend (single-threaded) on the calling thread: grows that thread's
+// attention scratch as a B = 1 task would.
+struct WorkerWarmup {
+  Barrier barrier;
+  TensorView q, out;
+  History hist;
+};
+
+void WarmWorker(void* ctx, int64_t i) {
+  auto* w = static_cast<WorkerWarmup*>(ctx);
+  w->barrier.arrived.fetch_add(1);
+  while (w->barrier.arrived.load() < w->barrier.n) {
+  }  // every thread takes exactly one task
+  TensorView out = w->out;
+  out.data = static_cast<float*>(out.data) + i * out.ne[0] * out.ne[2];  // a row of its own
+  (void)Attend(w->q, w->hist, AttentionParams(), &out);
+}
+
+// Warm-up as described at the top, then `steps` decode steps of one token under the counter.
+// Returns the allocations counted; *ok is false when a call failed.
+int64_t MeasureDecodeOnThisThread(const CacheKind& kind, DType dtype, int threads, int steps,
+                                  bool reserve, bool* ok);
+
+// Runs on a fresh thread: Attend's per-thread scratch of an earlier measurement must not count as
+// this one's warm-up.
+int64_t MeasureDecode(const CacheKind& kind, DType dtype, int threads, int steps, bool reserve,
+                      bool* ok) {
+  int64_t n = -1;
+  std::thread t([&] { n = MeasureDecodeOnThisThread(kind, dtype, threads, steps, reserve, ok); });
+  t.join();
+  return n;
+}
+
+int64_t MeasureDecodeOnThisThread(const CacheKind& kind, DType dtype, int threads, int steps,
+                                  bool reserve, bool* ok) {
+  *ok = false;
+  Driver d;
+  auto cache = kind.make();
+  if (!cache->Init(dtype, 1, 256, d.max_batch).ok()) return -1;
+  ThreadPool pool(threads);
+  ThreadPool* p = threads > 1 ? &pool : nullptr;
+  std::vector<float> out(d.layers * d.out.size());
+  if (reserve) {
+    for (int i = 0; i < d.max_batch; ++i) {
+      d.pos[i] = i;
+      d.seq[i] = 0;
+    }
+    Batch b;
+    b.positions = std::span<const int32_t>(d.pos.data(), d.max_batch);
+    b.sequences = std::span<const int32_t>(d.seq.data(), d.max_batch);
+    if (!cache->StartForward(b, true).ok()) return -1;
+    for (int l = 0; l < d.layers; ++l) {
+      cache->SetLayer(l);
+      if (!cache
+               ->Put(MakeView(d.k.data(), DType::kF32, {d.dk, d.kv_heads, d.max_batch}),
+                     MakeView(d.v.data(), DType::kF32, {d.dv, d.kv_heads, d.max_batch}))
+               .ok())
+        return -1;
+      TensorView qv = MakeView(d.q.data(), DType::kF32, {d.dk, d.max_batch, d.q_heads});
+      TensorView ov = MakeView(out.data(), DType::kF32, {d.dv, d.max_batch, d.q_heads});
+      if (!Attend(qv, cache->Get(), AttentionParams(), &ov, p).ok()) return -1;
+      // The same history as a decode row (B = 1) sizes the calling thread's decode scratch.
+      History h = cache->Get();
+      h.mask.ne[1] = 1;
+      TensorView q1 = MakeView(d.q.data(), DType::kF32, {d.dk, 1, d.q_heads});
+      TensorView o1 = MakeView(out.data(), DType::kF32, {d.dv, 1, d.q_heads});
+      if (!Attend(q1, h, AttentionParams(), &o1, p).ok()) return -1;
+    }
+  }
+  if (!d.Prefill(cache.get(), 0, 0, 8, out.data()).ok()) return -1;
+  int32_t pos = 8;
+  for (int t = 0; t < 4; ++t) {
+    d.seq[0] = 0;
+    d.pos[0] = pos++;
+    if (!d.Step(cache.get(), 1, out.data(), p).ok()) return -1;
+  }
+  if (threads > 1) {
+    WorkerWarmup w;
+    w.barrier.n = pool.NumThreads();
+    cache->SetLayer(0);
+    w.hist = cache->Get();
+    w.q = MakeView(d.q.data(), DType::kF32, {d.dk, 1, d.q_heads});
+    std::vector<float> wout(static_cast<size_t>(pool.NumThreads()) * d.dv * d.q_heads);
+    w.out = MakeView(wout.data(), DType::kF32, {d.dv, 1, d.q_heads});
+    pool.Run(pool.NumThreads(), WarmWorker, &w);
+  }
+  bool all_ok = true;
+  g_allocations = 0;
+  g_counting = true;
+  for (int t = 0; t < steps; ++t) {
+    d.seq[0] = 0;
+    d.pos[0] = pos++;
+    all_ok &= d.Step(cache.get(), 1, out.data(), p).ok();
+  }
+  g_counting = false;
+  *ok = all_ok;
+  return g_allocations.load();
+}
+
+TEST(NoAllocation, SteadyStateDecodeEveryKindDTypeAndThreadCount) {
+#if !KV_COUNT_ALLOCATIONS
+  GTEST_SKIP() << "sanitizer build: malloc belongs to the sanitizer";
+#endif
+  for (const CacheKind& kind : AllCacheKinds()) {
+    for (DType dtype : kAllDTypes) {
+      for (int threads : {1, 2}) {
+        bool ok = false;
+        const int64_t n = MeasureDecode(kind, dtype, threads, 100, /*reserve=*/true, &ok);
+        EXPECT_TRUE(ok) << kind.name << " " << DTypeName(dtype) << " threads " << threads;
+        EXPECT_EQ(n, 0) << kind.name << " " << DTypeName(dtype) << " threads " << threads;
+      }
+    }
+  }
+}
+
+// Without the reserve pass, only ordinary decode steps as warm-up: the history grows by one cell a
+// step, and nothing in the cache or in Attend may grow with it.
+// DISABLED: fails today for the kinds whose history grows (causal, chunked): Attend's call-level
+// scratch (kernels/attention.cc, ThreadScratch(..., 0)) holds B * (L / 2 + 1) span slots and is
+// reallocated to the exact new size whenever L grows, i.e. every second decode step (measured: 50
+// allocations in 100 steps). The cache itself allocates nothing. Reported to the attention
+// owner; run with --gtest_also_run_disabled_tests.
+TEST(NoAllocation, DISABLED_SteadyStateDecodeWithoutAReservePass) {
+#if !KV_COUNT_ALLOCATIONS
+  GTEST_SKIP() << "sanitizer build: malloc belongs to the sanitizer";
+#endif
+  for (const CacheKind& kind : AllCacheKinds()) {
+    for (int threads : {1, 2}) {
+      bool ok = false;
+      const int64_t n = MeasureDecode(kind, DType::kF16, threads, 100, /*reserve=*/false, &ok);
+      EXPECT_TRUE(ok);
+      EXPECT_EQ(n, 0) << kind.name << " threads " << threads;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace kv
