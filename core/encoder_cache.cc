@@ -82,11 +82,11 @@ struct LayerStore {
 
   // Makes room for k_bytes / v_bytes. With `preserve`, the bytes the views describe survive a
   // reallocation. On failure nothing changes.
-  Status Ensure(size_t k_bytes, size_t v_bytes, bool preserve) {
+  Status Ensure(size_t k_bytes, size_t v_bytes, bool preserve, const ArenaAllocator& allocator) {
     if (k_bytes <= k_cap && v_bytes <= v_cap) return Status::Ok();
     k_bytes = std::max(k_bytes, k_cap);
     v_bytes = std::max(v_bytes, v_cap);
-    auto fresh = std::make_unique<Arena>();
+    auto fresh = std::make_unique<Arena>(allocator);
     const size_t align = 64;
     KV_RETURN_IF_ERROR(fresh->Reserve((k_bytes + align - 1) / align * align +
                                       (v_bytes + align - 1) / align * align));
@@ -207,7 +207,7 @@ class EncoderCacheImpl final : public EncoderCache {
     }
     if (reserve_) {
       // Size the storage for this shape, keep what is cached, mark nothing.
-      KV_RETURN_IF_ERROR(ls.Ensure(kb, vb, /*preserve=*/true));
+      KV_RETURN_IF_ERROR(ls.Ensure(kb, vb, /*preserve=*/true, allocator_));
       if (!ls.has_view) {
         ls.k_view = ContiguousView(ls.k, key.dtype, key.ne);
         ls.v_view = ContiguousView(ls.v, value.dtype, vne);
@@ -215,7 +215,7 @@ class EncoderCacheImpl final : public EncoderCache {
       }
       return Status::Ok();
     }
-    KV_RETURN_IF_ERROR(ls.Ensure(kb, vb, /*preserve=*/false));
+    KV_RETURN_IF_ERROR(ls.Ensure(kb, vb, /*preserve=*/false, allocator_));
     CopyToContiguous(key, ls.k, false);
     CopyToContiguous(value, ls.v, permute);
     ls.k_view = ContiguousView(ls.k, key.dtype, key.ne);
@@ -263,7 +263,7 @@ class EncoderCacheImpl final : public EncoderCache {
       const LayerStore& s = src.layers[l];
       if (!s.has_view) continue;
       KV_RETURN_IF_ERROR(dst.layers[l].Ensure(ContiguousBytes(s.k_view), ContiguousBytes(s.v_view),
-                                              /*preserve=*/true));
+                                              /*preserve=*/true, allocator_));
     }
     for (size_t l = 0; l < src.layers.size(); ++l) {
       const LayerStore& s = src.layers[l];
@@ -311,6 +311,19 @@ class EncoderCacheImpl final : public EncoderCache {
     reserve_ = false;
   }
 
+  Status SetAllocator(const ArenaAllocator& allocator) override {
+    if (MemoryBytes() != 0) {
+      return Status::Error(Code::kInvalidArgument,
+                           "encoder: SetAllocator while holding storage (call before Init or after "
+                           "Close)");
+    }
+    if (allocator.allocate == nullptr || allocator.release == nullptr) {
+      return Status::Error(Code::kInvalidArgument, "encoder: allocator without functions");
+    }
+    allocator_ = allocator;
+    return Status::Ok();
+  }
+
   size_t MemoryBytes() const override {
     size_t total = 0;
     for (const Slot& s : slots_) {
@@ -322,6 +335,7 @@ class EncoderCacheImpl final : public EncoderCache {
  private:
   EncoderOptions options_;
   CacheConfig config_;
+  ArenaAllocator allocator_ = SystemAllocator();
   bool initialized_ = false;
   int max_sequences_ = 0;
   int max_batch_ = 0;

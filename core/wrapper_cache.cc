@@ -106,6 +106,12 @@ class WrapperCacheImpl final : public WrapperCache {
     return Status::Ok();
   }
 
+  // Every child in order; stops at the first error (a child that holds storage refuses).
+  Status SetAllocator(const ArenaAllocator& allocator) override {
+    for (auto& c : caches_) KV_RETURN_IF_ERROR(c->SetAllocator(allocator));
+    return Status::Ok();
+  }
+
   void Close() override {
     for (auto& c : caches_) c->Close();
   }

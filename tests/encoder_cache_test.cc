@@ -3,6 +3,7 @@
 #include <cstring>
 #include <vector>
 
+#include "core/arena.h"
 #include "core/cache.h"
 #include "gtest/gtest.h"
 
@@ -321,6 +322,49 @@ TEST(EncoderCache, ConfigAndArgumentErrors) {
   EXPECT_EQ(c->MemoryBytes(), 0u);
   EXPECT_FALSE(c->EncoderCached());
   EXPECT_EQ(c->StartForward(b.Get(), false).code(), Code::kInvalidArgument);
+}
+
+// An allocator that counts and can be told to fail.
+struct TestAllocator {
+  bool fail = false;
+  int allocations = 0;
+  static void* Allocate(size_t bytes, void* ctx) {
+    auto* self = static_cast<TestAllocator*>(ctx);
+    if (self->fail) return nullptr;
+    ++self->allocations;
+    return SystemAllocator().allocate(bytes, nullptr);
+  }
+  static void Release(void* p, void*) { SystemAllocator().release(p, nullptr); }
+  ArenaAllocator Get() { return ArenaAllocator{&Allocate, &Release, this}; }
+};
+
+TEST(EncoderCache, FailedAllocationChangesNothing) {
+  TestAllocator alloc;
+  auto c = NewEncoderCache();
+  ASSERT_TRUE(c->SetAllocator(alloc.Get()).ok());
+  ASSERT_TRUE(c->Init(DType::kF32, 1, 64, 8).ok());
+  ASSERT_TRUE(c->StartForward(Tokens(0, 2, 0, {0}).Get(), false).ok());
+  F32Tensor small(4, 2, 2, 1.0f), large(4, 2, 40, 9.0f);
+  ASSERT_TRUE(c->Put(small.view, small.view).ok());
+  EXPECT_EQ(alloc.allocations, 1);  // K and V share one region
+  EXPECT_EQ(c->SetAllocator(alloc.Get()).code(), Code::kInvalidArgument);  // holds storage
+  const size_t bytes = c->MemoryBytes();
+
+  // A second image at position 1 that needs more room than the allocator gives.
+  ASSERT_TRUE(c->StartForward(Tokens(1, 1, 0, {0}).Get(), false).ok());
+  alloc.fail = true;
+  EXPECT_EQ(c->Put(large.view, large.view).code(), Code::kOutOfMemory);
+  EXPECT_EQ(c->MemoryBytes(), bytes);
+  EXPECT_EQ(ReadF32(c->Get().k), small.data);
+  EXPECT_TRUE(c->EncoderCached());
+  // Still recorded at position 0: removing position 1 keeps it.
+  EXPECT_TRUE(c->Remove(0, 1, kPosMax).ok() && c->EncoderCached());
+  // Steady state: the same or a smaller size allocates nothing, even with the allocator failing.
+  EXPECT_TRUE(c->Put(small.view, small.view).ok());
+  alloc.fail = false;
+  EXPECT_EQ(alloc.allocations, 1);
+  c->Close();
+  EXPECT_TRUE(c->SetAllocator(SystemAllocator()).ok());
 }
 
 TEST(EncoderCache, SharedModeServesEverySequenceFromOneBlock) {

@@ -4,6 +4,7 @@
 #include <string>
 #include <vector>
 
+#include "core/arena.h"
 #include "core/cache.h"
 #include "gtest/gtest.h"
 
@@ -226,6 +227,33 @@ TEST(WrapperCache, CopyPrefixWithRealEncoders) {
   auto w2 = NewWrapperCache(std::move(per_seq));
   ASSERT_TRUE(w2->Init(DType::kF32, 2, 16, 4).ok());
   EXPECT_TRUE(w2->CopyPrefix(0, 1, 4).ok());
+}
+
+TEST(WrapperCache, SetAllocatorReachesEveryChild) {
+  int calls = 0;
+  ArenaAllocator counting{[](size_t bytes, void* ctx) {
+                            ++*static_cast<int*>(ctx);
+                            return SystemAllocator().allocate(bytes, nullptr);
+                          },
+                          [](void* p, void*) { SystemAllocator().release(p, nullptr); }, &calls};
+  std::vector<std::unique_ptr<Cache>> children;
+  children.push_back(NewEncoderCache());
+  children.push_back(NewEncoderCache());
+  auto w = NewWrapperCache(std::move(children));
+  ASSERT_TRUE(w->SetAllocator(counting).ok());
+  ASSERT_TRUE(w->Init(DType::kF32, 1, 16, 4).ok());
+  const int32_t pos[] = {0};
+  const int32_t seq[] = {0};
+  const int32_t mm[] = {0};
+  ASSERT_TRUE(w->StartForward(Batch{pos, seq, mm}, false).ok());
+  std::vector<float> x(8, 1.0f);
+  TensorView t = MakeView(x.data(), DType::kF32, {4, 2, 1});
+  for (int type = 0; type < 2; ++type) {
+    w->SetLayerType(type);
+    ASSERT_TRUE(w->Put(t, t).ok());
+  }
+  EXPECT_EQ(calls, 2);
+  EXPECT_EQ(w->SetAllocator(counting).code(), Code::kInvalidArgument);
 }
 
 TEST(WrapperCache, MemoryIsReportedPerChild) {
