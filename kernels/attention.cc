@@ -24,6 +24,7 @@
 #ifndef KVCACHE_KERNELS_ATTENTION_SHARED_
 #define KVCACHE_KERNELS_ATTENTION_SHARED_
 #include "hwy/aligned_allocator.h"
+#include "hwy/cache_control.h"
 
 namespace kv::kernels {
 namespace attn {
@@ -158,17 +159,25 @@ HWY_INLINE VF LoadCodes(DF df, const void* row, int64_t i) {
 
 template <DType T>
 HWY_INLINE float BlockScale(const void* row, int64_t blk) {
-  if constexpr (T == DType::kQ8_0) {
-    return attn::F16ScaleToF32(static_cast<const BlockQ8_0*>(row)[blk].d);
-  } else {
-    return attn::F16ScaleToF32(static_cast<const BlockQ4_0*>(row)[blk].d);
-  }
+  uint16_t bits;
+  std::memcpy(&bits, static_cast<const char*>(row) + static_cast<size_t>(blk) * BlockBytes(T), 2);
+#if HWY_TARGET == HWY_SCALAR
+  return attn::F16ScaleToF32(bits);
+#else
+  // One vector f16 -> f32 conversion (F16C on AVX2/AVX-512; exact everywhere) instead of the
+  // branchy bit arithmetic: the K loop converts one scale per row and block.
+  const hn::CappedTag<float, 1> d1;
+  const hn::Rebind<uint16_t, decltype(d1)> du1;
+  const hn::Rebind<hwy::float16_t, decltype(d1)> dh1;
+  return hn::GetLane(hn::PromoteTo(d1, hn::BitCast(dh1, hn::Set(du1, bits))));
+#endif
 }
 
 // ---- decode
 // --------------------------------------------------------------------------------------
 
 constexpr int64_t kScaleStride = kBlockCells + kRowPad;
+constexpr int64_t kPrefetchCells = 8;
 constexpr int64_t kMaxQBlocks = kAttentionMaxHeadDim / 32;
 
 // The f16 block scales of n quantized rows, converted with vector f16 -> f32 (exact) instead of
@@ -216,16 +225,41 @@ HWY_INLINE void AccumQuant(DF df, const char* vrow0, size_t vstride, int64_t n, 
   }
 }
 
+#if HWY_TARGET != HWY_SCALAR
+// Horizontal sums of four vectors at once, [sum a0, sum a1, sum a2, sum a3]: two interleave-add
+// rounds inside each 128-bit block, then halves added down to 128 bits. About a third of the
+// shuffles of four separate SumOfLanes, which dominated the decode K loop.
+HWY_INLINE hn::Vec128<float> BlocksTo128(hn::Vec128<float> v) { return v; }
+#if HWY_CAP_GE256
+HWY_INLINE hn::Vec128<float> BlocksTo128(hn::Vec256<float> v) {
+  return hn::Add(hn::LowerHalf(v), hn::UpperHalf(hn::Full128<float>(), v));
+}
+#endif
+#if HWY_CAP_GE512
+HWY_INLINE hn::Vec128<float> BlocksTo128(hn::Vec512<float> v) {
+  return BlocksTo128(hn::Add(hn::LowerHalf(v), hn::UpperHalf(hn::Full256<float>(), v)));
+}
+#endif
+HWY_INLINE hn::Vec128<float> Reduce4(DF df, VF a0, VF a1, VF a2, VF a3) {
+  const VF t0 = hn::Add(hn::InterleaveLower(df, a0, a1), hn::InterleaveUpper(df, a0, a1));
+  const VF t1 = hn::Add(hn::InterleaveLower(df, a2, a3), hn::InterleaveUpper(df, a2, a3));
+  const hn::Repartition<uint64_t, DF> du;
+  const VF u =
+      hn::Add(hn::BitCast(df, hn::InterleaveLower(du, hn::BitCast(du, t0), hn::BitCast(du, t1))),
+              hn::BitCast(df, hn::InterleaveUpper(du, hn::BitCast(du, t0), hn::BitCast(du, t1))));
+  return BlocksTo128(u);
+}
+#endif
+
 // s[g] = dot(krow, qs + g * Dp) for kG heads; K converted once per vector, used by every head.
-// Quantized: kscale[blk * kScaleStride] is the row's block scale (gathered by GatherScales).
 template <DType T, int kG>
 HWY_INLINE void DotHeads(DF df, const void* krow, const float* qs, int64_t Dp, int64_t D, float* s,
-                         int64_t s_stride, const float* kscale) {
+                         int64_t s_stride) {
   VF acc[kG];
   for (int g = 0; g < kG; ++g) acc[g] = hn::Zero(df);
   if constexpr (IsQuantized(T)) {
     for (int64_t blk = 0; blk < D / 32; ++blk) {
-      const VF scale = hn::Set(df, kscale[blk * kScaleStride]);
+      const VF scale = hn::Set(df, BlockScale<T>(krow, blk));
       for (int64_t w = 0; w < 32; w += kN) {
         const int64_t i = blk * 32 + w;
         const VF kv = hn::Mul(LoadCodes<T>(df, krow, i), scale);
@@ -244,7 +278,15 @@ HWY_INLINE void DotHeads(DF df, const void* krow, const float* qs, int64_t Dp, i
       for (int g = 0; g < kG; ++g) acc[g] = hn::MulAdd(hn::LoadU(df, qs + g * Dp + i), kv, acc[g]);
     }
   }
-  for (int g = 0; g < kG; ++g) s[g * s_stride] = hn::GetLane(hn::SumOfLanes(df, acc[g]));
+  int g = 0;
+#if HWY_TARGET != HWY_SCALAR
+  for (; g + 4 <= kG; g += 4) {
+    HWY_ALIGN float four[4];
+    hn::Store(Reduce4(df, acc[g], acc[g + 1], acc[g + 2], acc[g + 3]), hn::Full128<float>(), four);
+    for (int t = 0; t < 4; ++t) s[(g + t) * s_stride] = four[t];
+  }
+#endif
+  for (; g < kG; ++g) s[g * s_stride] = hn::GetLane(hn::SumOfLanes(df, acc[g]));
 }
 
 // acc[g][0..Dv) += sum_j p[g][j] * V[j] for n plain V rows starting at vrow0, `vstride` apart.
@@ -349,16 +391,19 @@ HWY_NOINLINE void DecodeCells(const Ctx& c, int64_t h, int64_t b, int64_t g0, in
   const char* kbase = static_cast<const char*>(c.k.data) + static_cast<size_t>(h) * c.k.nb[1];
   const char* vrow0 = static_cast<const char*>(c.v.data) + static_cast<size_t>(h) * c.v.nb[1] +
                       static_cast<size_t>(c0) * c.v.nb[2];
-  HWY_ALIGN float kd[IsQuantized(T) ? kMaxQBlocks : 1][kScaleStride];
   HWY_ALIGN float vd[IsQuantized(T) ? kMaxQBlocks : 1][kScaleStride];
-  if constexpr (IsQuantized(T)) {
-    GatherScales<T>(df, kbase + static_cast<size_t>(c0) * c.k.nb[2], c.k.nb[2], n, c.D / 32,
-                    &kd[0][0]);
-    GatherScales<T>(df, vrow0, c.v.nb[2], n, c.Dv / 32, &vd[0][0]);
-  }
+
+  // Software prefetch: K rows kPrefetchCells ahead (a single thread keeps too few misses in flight
+  // on its own to reach the read bandwidth), and this piece's V rows ahead of the V pass.
+  const size_t krow_bytes = RowBytes(T, c.D);
+  const size_t vrow_bytes = kPermV ? 0 : RowBytes(T, c.Dv);
   for (int64_t j = 0; j < n; ++j) {
+    const char* ka = kbase + static_cast<size_t>(c0 + j + kPrefetchCells) * c.k.nb[2];
+    for (size_t o = 0; o < krow_bytes; o += 64) hwy::Prefetch(ka + o);
+    const char* va = vrow0 + static_cast<size_t>(j) * c.v.nb[2];
+    for (size_t o = 0; o < vrow_bytes; o += 64) hwy::Prefetch(va + o);
     DotHeads<T, kG>(df, kbase + static_cast<size_t>(c0 + j) * c.k.nb[2], qs + g0 * c.Dp, c.Dp, c.D,
-                    &s[0][j], kBlockCells + kRowPad, &kd[0][IsQuantized(T) ? j : 0]);
+                    &s[0][j], kBlockCells + kRowPad);
   }
   const int64_t rs = attn::PartialStride(c);
   float* state = rows + g0 * rs;
@@ -372,6 +417,8 @@ HWY_NOINLINE void DecodeCells(const Ctx& c, int64_t h, int64_t b, int64_t g0, in
     AccumPermuted<T, kG>(df, vhead, c.v.nb[1], c0, n, c.Dv, &s[0][0], kBlockCells + kRowPad, state,
                          rs);
   } else if constexpr (IsQuantized(T)) {
+    // The V rows were prefetched during the K pass: the scales gather from cache.
+    GatherScales<T>(df, vrow0, c.v.nb[2], n, c.Dv / 32, &vd[0][0]);
     AccumQuant<T, kG>(df, vrow0, c.v.nb[2], n, c.Dv, &s[0][0], kBlockCells + kRowPad, &vd[0][0],
                       state, rs);
   } else {
