@@ -24,6 +24,9 @@
 namespace kv {
 namespace {
 
+// The same bound as the causal family: a layer index is an array index.
+constexpr int kMaxLayers = 4096;
+
 bool ValidInput(const TensorView& t) {
   if (t.data == nullptr || !IsFloatDType(t.dtype)) return false;
   for (int d = 0; d < 4; ++d) {
@@ -189,7 +192,10 @@ class EncoderCacheImpl final : public EncoderCache {
 
   Status Put(const TensorView& key, const TensorView& value) override {
     if (!initialized_) return Status::Error(Code::kInvalidArgument, "encoder: not initialized");
-    if (layer_ < 0) return Status::Error(Code::kInvalidArgument, "encoder: layer %d", layer_);
+    if (layer_ < 0 || layer_ >= kMaxLayers) {
+      return Status::Error(Code::kInvalidArgument, "encoder: layer %d outside [0, %d)", layer_,
+                           kMaxLayers);
+    }
     if (!ValidInput(key) || !ValidInput(value)) {
       return Status::Error(Code::kInvalidArgument,
                            "encoder: K/V must be non-null f32/f16/bf16 with positive dims");

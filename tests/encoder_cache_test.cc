@@ -315,6 +315,11 @@ TEST(EncoderCache, ConfigAndArgumentErrors) {
   TensorView null_view = k.view;
   null_view.data = nullptr;
   EXPECT_EQ(c->Put(k.view, null_view).code(), Code::kInvalidArgument);
+  c->SetLayer(1 << 20);  // a layer index is an array index: bounded
+  EXPECT_EQ(c->Put(k.view, k.view).code(), Code::kInvalidArgument);
+  c->SetLayer(-1);
+  EXPECT_EQ(c->Put(k.view, k.view).code(), Code::kInvalidArgument);
+  c->SetLayer(0);
   EXPECT_FALSE(c->EncoderCached());
   EXPECT_EQ(c->Remove(1, 0, kPosMax).code(), Code::kInvalidArgument);
 
