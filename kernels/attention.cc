@@ -213,14 +213,22 @@ HWY_INLINE void AccumQuant(DF df, const char* vrow0, size_t vstride, int64_t n, 
                   df, &w[g][j]);
       }
     }
-    for (int64_t i = blk * 32; i < blk * 32 + 32; i += kN) {
-      VF a[kG];
-      for (int g = 0; g < kG; ++g) a[g] = hn::Load(df, acc + g * acc_stride + i);
+    // kC chunks per pass so that kC * kG independent FMA chains hide the FMA latency (the chain
+    // runs along the cells).
+    constexpr int64_t kC = (kG <= 4 && kN < 32) ? 2 : 1;
+    for (int64_t i = blk * 32; i < blk * 32 + 32; i += kC * kN) {
+      VF a[kC][kG];
+      for (int64_t c = 0; c < kC; ++c)
+        for (int g = 0; g < kG; ++g) a[c][g] = hn::Load(df, acc + g * acc_stride + i + c * kN);
       for (int64_t j = 0; j < n; ++j) {
-        const VF vv = LoadCodes<T>(df, vrow0 + static_cast<size_t>(j) * vstride, i);
-        for (int g = 0; g < kG; ++g) a[g] = hn::MulAdd(hn::Set(df, w[g][j]), vv, a[g]);
+        const char* vr = vrow0 + static_cast<size_t>(j) * vstride;
+        for (int64_t c = 0; c < kC; ++c) {
+          const VF vv = LoadCodes<T>(df, vr, i + c * kN);
+          for (int g = 0; g < kG; ++g) a[c][g] = hn::MulAdd(hn::Set(df, w[g][j]), vv, a[c][g]);
+        }
       }
-      for (int g = 0; g < kG; ++g) hn::Store(a[g], df, acc + g * acc_stride + i);
+      for (int64_t c = 0; c < kC; ++c)
+        for (int g = 0; g < kG; ++g) hn::Store(a[c][g], df, acc + g * acc_stride + i + c * kN);
     }
   }
 }
@@ -295,8 +303,32 @@ HWY_INLINE void DotHeads(DF df, const void* krow, const float* qs, int64_t Dp, i
 template <DType T, int kG>
 HWY_INLINE void AccumPlain(DF df, const char* vrow0, size_t vstride, int64_t n, int64_t Dv,
                            const float* p, int64_t p_stride, float* acc, int64_t acc_stride) {
-  for (int64_t i = 0; i < Dv; i += kN) {
-    const bool tail = i + static_cast<int64_t>(kN) > Dv;  // float dtypes only: acc is padded
+  int64_t i = 0;
+  if constexpr (kG <= 4) {  // two chunks per pass: 2 * kG FMA chains along the cells
+    for (; i + 2 * static_cast<int64_t>(kN) <= Dv; i += 2 * kN) {
+      VF a[2][kG];
+      for (int g = 0; g < kG; ++g) {
+        a[0][g] = hn::Load(df, acc + g * acc_stride + i);
+        a[1][g] = hn::Load(df, acc + g * acc_stride + i + kN);
+      }
+      for (int64_t j = 0; j < n; ++j) {
+        const char* vr = vrow0 + static_cast<size_t>(j) * vstride;
+        const VF v0 = LoadFloat<T>(df, vr, i);
+        const VF v1 = LoadFloat<T>(df, vr, i + kN);
+        for (int g = 0; g < kG; ++g) {
+          const VF pg = hn::Set(df, p[g * p_stride + j]);
+          a[0][g] = hn::MulAdd(pg, v0, a[0][g]);
+          a[1][g] = hn::MulAdd(pg, v1, a[1][g]);
+        }
+      }
+      for (int g = 0; g < kG; ++g) {
+        hn::Store(a[0][g], df, acc + g * acc_stride + i);
+        hn::Store(a[1][g], df, acc + g * acc_stride + i + kN);
+      }
+    }
+  }
+  for (; i < Dv; i += kN) {
+    const bool tail = i + static_cast<int64_t>(kN) > Dv;  // acc is padded
     VF a[kG];
     for (int g = 0; g < kG; ++g) a[g] = hn::Load(df, acc + g * acc_stride + i);
     for (int64_t j = 0; j < n; ++j) {
