@@ -1,4 +1,11 @@
 // Attention over a cache's History. The kernels live in kernels/attention*; this validates.
+//
+// Threading: Attend is reentrant. Any number of threads may call it at once, each with its own q
+// and out; the History is only read and may be shared (it stays valid only while its cache is not
+// changed: see core/cache.h). Scratch memory is per thread. A ThreadPool may be passed from several
+// threads at once: its Run calls are serialized (safe, but one job at a time; give each decoding
+// thread its own pool to run them side by side). A caller's ParallelFor must be safe to call from
+// every thread that passes it.
 #ifndef KVCACHE_CORE_ATTEND_H_
 #define KVCACHE_CORE_ATTEND_H_
 

@@ -1,7 +1,13 @@
 // The Cache interface (Ollama's kvcache.Cache) and its variants. Exact behaviour: SEMANTICS.md.
 //
-// Threading: a cache is used by one thread at a time. Views returned by Get stay valid until the
-// next StartForward, Remove, CopyPrefix or Close on that cache.
+// Threading: a cache is used by one thread at a time: no call that changes it (everything except
+// the readers below; Get counts as a change, it reads the layer SetLayer writes) may overlap with
+// any other call on it. Between two changes, readers may run concurrently from any number of
+// threads: Attend over Histories taken earlier, SaveCache, CanResume, MemoryBytes, NumCells,
+// CheckConsistency. Views returned by Get stay valid until the next StartForward, Remove,
+// CopyPrefix, Close or load (LoadCache) on that cache. Separate caches never interfere. A ShiftFn
+// or ArenaAllocator runs on the thread that made the call (shared across caches on different
+// threads, it must be thread-safe). Tested under ThreadSanitizer: tests/concurrency_test.cc.
 #ifndef KVCACHE_CORE_CACHE_H_
 #define KVCACHE_CORE_CACHE_H_
 
