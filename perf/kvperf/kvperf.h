@@ -148,7 +148,7 @@ struct Engine {
   int encoder_frames = 0;
 
   // Runs one forward pass of the batch (seq[i], pos[i]) through every layer. check_layers: layers
-  // to verify after Attend (rows: all when B <= 8, else 8 spread over the batch).
+  // to verify after Attend (rows: all when B <= 4, else 4 spread over the batch).
   kv::Status Forward(const std::vector<int>& seq, const std::vector<int32_t>& pos,
                      const std::vector<int32_t>& multimodal, const std::vector<int>& check_layers,
                      PhaseStats* stats, CheckStats* check);

@@ -321,8 +321,15 @@ json RunSWAMemResume(RunContext& ctx, kv::DType dtype, std::vector<std::string>*
   resume_json["resume_position"] = resume;
   resume_json["can_resume"] = can_resume;
   resume_json["can_resume_position_0"] = can_resume_far;
+  // Memory at or above the capacity is unlimited (SEMANTICS.md section 1): nothing is trimmed and
+  // every position can be resumed. Otherwise position 0 has left the memory by now.
+  const bool unlimited = kMemory >= w.P + w.C + w.T;
+  resume_json["memory_unlimited"] = unlimited;
   if (!can_resume) failures->push_back("swa-mem: CanResume refused a position inside the memory");
-  if (can_resume_far) failures->push_back("swa-mem: CanResume accepted position 0 after trimming");
+  if (can_resume_far != unlimited) {
+    failures->push_back(unlimited ? "swa-mem: CanResume refused position 0 with unlimited memory"
+                                  : "swa-mem: CanResume accepted position 0 after trimming");
+  }
   auto t0 = Clock::now();
   for (int s = 0; s < w.S; ++s) KVPERF_CHECK_OK(cache->Remove(s, resume, kv::kPosMax), "Remove");
   resume_json["remove_seconds"] = Seconds(t0, Clock::now());
