@@ -1,5 +1,5 @@
-// Slicing-by-8 CRC32C over tables computed at compile time (no static initialisation order to
-// worry about, no first-call race).
+// CRC32C: the SSE4.2 instruction where the CPU has it, else slicing-by-8 over tables computed at
+// compile time (no static initialisation order to worry about).
 #include "core/crc32c.h"
 
 #include <array>
@@ -29,7 +29,33 @@ constexpr Tables kTables = MakeTables();
 
 }  // namespace
 
+#if defined(__x86_64__)
+// SSE4.2's crc32 instruction computes exactly this polynomial, 8 bytes per instruction (one
+// dependent chain: about 8 bytes per 3 cycles, several times the table version).
+__attribute__((target("sse4.2"))) uint32_t Crc32cSse42(uint32_t crc, const uint8_t* p, size_t n) {
+  uint64_t c = ~crc;
+  while (n >= 8) {
+    uint64_t v;
+    std::memcpy(&v, p, 8);
+    c = __builtin_ia32_crc32di(c, v);
+    p += 8;
+    n -= 8;
+  }
+  uint32_t c32 = static_cast<uint32_t>(c);
+  while (n-- > 0) c32 = __builtin_ia32_crc32qi(c32, *p++);
+  return ~c32;
+}
+#endif
+
 uint32_t Crc32c(uint32_t crc, const void* data, size_t n) {
+#if defined(__x86_64__)
+  static const bool sse42 = __builtin_cpu_supports("sse4.2");
+  if (sse42) return Crc32cSse42(crc, static_cast<const uint8_t*>(data), n);
+#endif
+  return Crc32cPortable(crc, data, n);
+}
+
+uint32_t Crc32cPortable(uint32_t crc, const void* data, size_t n) {
   const uint8_t* p = static_cast<const uint8_t*>(data);
   uint32_t c = ~crc;
   while (n >= 8) {

@@ -44,6 +44,13 @@ TEST(Crc32c, IncrementalAndUnalignedMatchOneShot) {
   std::vector<uint8_t> data(1000);
   std::mt19937 rng(7);
   for (auto& b : data) b = static_cast<uint8_t>(rng());
+  EXPECT_EQ(Crc32cPortable(0, "123456789", 9), 0xE3069283u);
+  for (size_t n : {0, 1, 7, 8, 9, 63, 1000}) {
+    EXPECT_EQ(Crc32c(0, data.data(), n), Crc32cPortable(0, data.data(), n)) << n;
+    EXPECT_EQ(Crc32c(0x12345678u, data.data() + 1, n - (n > 0)),
+              Crc32cPortable(0x12345678u, data.data() + 1, n - (n > 0)))
+        << n;
+  }
   for (size_t off : {0, 1, 3, 7}) {
     const uint32_t whole = Crc32c(0, data.data() + off, data.size() - off);
     for (size_t cut : {0, 1, 5, 8, 13, 500}) {
