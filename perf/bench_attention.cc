@@ -5,6 +5,9 @@
 //            (independent FMA chains on the best Highway target) with the same thread count.
 //   side by side (decode, f16, D 128, 4096 cells, 1 thread): the scalar double reference, the
 //            dispatched kernel on its best target and pinned to AVX2, and an xsimd AVX2 version.
+// Timing on a shared machine: each figure takes the best call of its run (decode: hundreds of
+// calls; prefill: 3), and the decode baseline is interleaved with the calls (32 MiB slices of the
+// 256 MiB buffer, best slice), so the kernel and its baseline see the same machine.
 // Run: build-*/perf/bench_attention --benchmark_counters_tabular=true
 #include <algorithm>
 #include <chrono>
@@ -41,8 +44,13 @@ namespace hn = hwy::HWY_NAMESPACE;
 // 16 independent FMA chains; returns flops done.
 double FmaPeakLoop(int64_t iters, float* sink) {
   const hn::ScalableTag<float> df;
-  auto a0 = hn::Set(df, 1.0f), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
-  auto a8 = a0, a9 = a0, a10 = a0, a11 = a0, a12 = a0, a13 = a0, a14 = a0, a15 = a0;
+  // Distinct starting values, or the compiler merges identical chains into one.
+  auto a0 = hn::Set(df, 1.00f), a1 = hn::Set(df, 1.01f), a2 = hn::Set(df, 1.02f);
+  auto a3 = hn::Set(df, 1.03f), a4 = hn::Set(df, 1.04f), a5 = hn::Set(df, 1.05f);
+  auto a6 = hn::Set(df, 1.06f), a7 = hn::Set(df, 1.07f), a8 = hn::Set(df, 1.08f);
+  auto a9 = hn::Set(df, 1.09f), a10 = hn::Set(df, 1.10f), a11 = hn::Set(df, 1.11f);
+  auto a12 = hn::Set(df, 1.12f), a13 = hn::Set(df, 1.13f), a14 = hn::Set(df, 1.14f);
+  auto a15 = hn::Set(df, 1.15f);
   const auto m = hn::Set(df, 0.999999f), c = hn::Set(df, 1e-7f);
   for (int64_t i = 0; i < iters; ++i) {
     a0 = hn::MulAdd(a0, m, c);
@@ -88,48 +96,69 @@ double Seconds(Clock::time_point a, Clock::time_point b) {
   return std::chrono::duration<double>(b - a).count();
 }
 
-// Process CPU seconds. This machine may be shared: wall-clock rates then understate what the
-// kernel does while it runs, so every rate is also given per CPU-second (CPU time / threads),
-// baseline and kernel alike. (Pool workers spin up to ~50 us after a job; that counts too.)
-double CpuSeconds() {
-  timespec ts;
-  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
-  return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
-}
-
-struct Rate {
-  double wall = 0;  // per wall second
-  double cpu = 0;   // per (CPU second / threads)
-};
-
 // ---- baselines (measured once per thread count, cached for the run) ---------------------------
 
 struct SumTask {
   const uint64_t* data;
+  const uint64_t* data_slice;
   int64_t words_per_task;
   uint64_t partial[64];
 };
 
-Rate ReadBandwidth(int threads) {
-  static std::map<int, Rate> cache;
+// Best of 20 short runs (about 10 ms each), so that one quiet moment of a shared machine is enough.
+double FmaPeak(int threads) {
+  static std::map<int, double> cache;
   if (cache.count(threads)) return cache[threads];
-  const size_t bytes = size_t{256} << 20;
-  auto buf = hwy::AllocateAligned<uint64_t>(bytes / 8);
-  for (size_t i = 0; i < bytes / 8; ++i) buf[i] = i;
   kv::ThreadPool pool(threads);
-  SumTask t;
-  t.data = buf.get();
-  const int64_t tasks = threads * 8;
-  t.words_per_task = static_cast<int64_t>(bytes / 8) / tasks;
-  Rate best;
-  for (int rep = 0; rep < 5; ++rep) {
+  struct Ctx {
+    double flops[64];
+    float sink[64];
+  } ctx{};
+  double best = 0;
+  for (int rep = 0; rep < 20; ++rep) {
     const auto t0 = Clock::now();
-    const double c0 = CpuSeconds();
     pool.Run(
+        threads,
+        [](void* c, int64_t i) {
+          Ctx* x = static_cast<Ctx*>(c);
+          x->flops[i] = HWY_DYNAMIC_DISPATCH(FmaPeakLoop)(int64_t{3} << 20, &x->sink[i]);
+        },
+        &ctx);
+    const double sec = Seconds(t0, Clock::now());
+    double f = 0;
+    for (int i = 0; i < threads; ++i) f += ctx.flops[i];
+    best = std::max(best, f / sec);
+  }
+  benchmark::DoNotOptimize(ctx.sink[0]);
+  cache[threads] = best;
+  return best;
+}
+
+// The read-bandwidth baseline, interleaved with the kernel's calls so that both see the same
+// machine: a plain sum over a 256 MiB buffer, 32 MiB slice by slice (each slice split over the
+// pool's threads); Next() times one slice and returns its bytes per second. The best slice of a
+// run is the baseline (best calls against best slices).
+class ReadSlicer {
+ public:
+  explicit ReadSlicer(kv::ThreadPool* pool) : pool_(pool) {
+    static hwy::AlignedFreeUniquePtr<uint64_t[]> buf;
+    if (!buf) {
+      buf = hwy::AllocateAligned<uint64_t>(kBytes / 8);
+      for (size_t i = 0; i < kBytes / 8; ++i) buf[i] = i;
+    }
+    task_.data = buf.get();
+  }
+  double Next() {
+    const int64_t tasks = pool_->NumThreads() * 4;
+    task_.words_per_task = static_cast<int64_t>(kSlice / 8) / tasks;
+    task_.data_slice = task_.data + (slice_ % (kBytes / kSlice)) * (kSlice / 8);
+    ++slice_;
+    const auto t0 = Clock::now();
+    pool_->Run(
         tasks,
         [](void* ctx, int64_t i) {
           SumTask* st = static_cast<SumTask*>(ctx);
-          const uint64_t* p = st->data + i * st->words_per_task;
+          const uint64_t* p = st->data_slice + i * st->words_per_task;
           uint64_t s0 = 0, s1 = 0, s2 = 0, s3 = 0;
           for (int64_t w = 0; w < st->words_per_task; w += 4) {
             s0 += p[w];
@@ -139,47 +168,19 @@ Rate ReadBandwidth(int threads) {
           }
           st->partial[i] = s0 + s1 + s2 + s3;
         },
-        &t);
+        &task_);
     const double sec = Seconds(t0, Clock::now());
-    const double cpu = (CpuSeconds() - c0) / threads;
-    benchmark::DoNotOptimize(t.partial[0]);
-    best.wall = std::max(best.wall, static_cast<double>(bytes) / sec);
-    best.cpu = std::max(best.cpu, static_cast<double>(bytes) / cpu);
+    benchmark::DoNotOptimize(task_.partial[0]);
+    return static_cast<double>(kSlice) / sec;
   }
-  cache[threads] = best;
-  return best;
-}
 
-Rate FmaPeak(int threads) {
-  static std::map<int, Rate> cache;
-  if (cache.count(threads)) return cache[threads];
-  kv::ThreadPool pool(threads);
-  struct Ctx {
-    double flops[64];
-    float sink[64];
-  } ctx{};
-  Rate best;
-  for (int rep = 0; rep < 3; ++rep) {
-    const auto t0 = Clock::now();
-    const double c0 = CpuSeconds();
-    pool.Run(
-        threads,
-        [](void* c, int64_t i) {
-          Ctx* x = static_cast<Ctx*>(c);
-          x->flops[i] = HWY_DYNAMIC_DISPATCH(FmaPeakLoop)(int64_t{50} << 20, &x->sink[i]);
-        },
-        &ctx);
-    const double sec = Seconds(t0, Clock::now());
-    const double cpu = (CpuSeconds() - c0) / threads;
-    double f = 0;
-    for (int i = 0; i < threads; ++i) f += ctx.flops[i];
-    best.wall = std::max(best.wall, f / sec);
-    best.cpu = std::max(best.cpu, f / cpu);
-  }
-  benchmark::DoNotOptimize(ctx.sink[0]);
-  cache[threads] = best;
-  return best;
-}
+ private:
+  static constexpr size_t kBytes = size_t{256} << 20;
+  static constexpr size_t kSlice = size_t{32} << 20;
+  kv::ThreadPool* pool_;
+  SumTask task_{};
+  size_t slice_ = 0;
+};
 
 // ---- a history in the caches' layout -----------------------------------------------------------
 
@@ -237,45 +238,36 @@ void BM_Decode(benchmark::State& state) {
   const int L = static_cast<int>(state.range(1));
   const bool q8 = state.range(2) != 0;
   const int threads = static_cast<int>(state.range(3));
-  const Rate read_bw = ReadBandwidth(threads);
   Setup s = MakeSetup(q8 ? kv::DType::kQ8_0 : kv::DType::kF16, D, 8, 4, L, 1, true);
   kv::ThreadPool pool(threads);
+  ReadSlicer slicer(&pool);
   kv::AttentionParams p;
   // Warm up (first call sizes the scratch).
   if (!kv::Attend(s.qv, s.hist, p, &s.ov, &pool).ok()) state.SkipWithError("Attend failed");
-  double total = 0, cpu_total = 0, best = 1e30;
+  double total = 0, best = 1e30, best_read = 0;
   int64_t calls = 0;
   for (auto _ : state) {
     const auto t0 = Clock::now();
-    const double c0 = CpuSeconds();
     (void)kv::Attend(s.qv, s.hist, p, &s.ov, &pool);
-    cpu_total += (CpuSeconds() - c0) / threads;
     const double sec = Seconds(t0, Clock::now());
     total += sec;
     best = std::min(best, sec);
     ++calls;
+    best_read = std::max(best_read, slicer.Next());  // the baseline, interleaved
   }
-  const double per_call = best;  // best of the run: the machine may be shared (see CpuSeconds)
+  for (int i = 0; i < 4; ++i) best_read = std::max(best_read, slicer.Next());
+  const double bw = static_cast<double>(s.kv_bytes) / best;
+  state.counters["us_call"] = best * 1e6;
   state.counters["mean_us_call"] = total / calls * 1e6;
-  const double per_call_cpu = cpu_total / calls;
-  const double bw = static_cast<double>(s.kv_bytes) / per_call;
-  const double bw_cpu = static_cast<double>(s.kv_bytes) / per_call_cpu;
-  state.counters["us_call"] = per_call * 1e6;
-  state.counters["cpu_us_call"] = per_call_cpu * 1e6;
   state.counters["KV_MiB"] = static_cast<double>(s.kv_bytes) / (1 << 20);
   state.counters["GBps"] = bw * 1e-9;
-  state.counters["read_GBps"] = read_bw.wall * 1e-9;
-  state.counters["frac_rd"] = bw / read_bw.wall;
-  state.counters["cpu_GBps"] = bw_cpu * 1e-9;
-  state.counters["cpu_read_GBps"] = read_bw.cpu * 1e-9;
-  state.counters["cpu_frac_rd"] = bw_cpu / read_bw.cpu;
+  state.counters["read_GBps"] = best_read * 1e-9;
+  state.counters["frac_rd"] = bw / best_read;
   auto key = std::make_tuple(D, L, threads);
   if (!q8) {
-    F16Times()[key] = per_call;
-    F16Times()[std::make_tuple(-D, L, threads)] = per_call_cpu;
+    F16Times()[key] = best;
   } else if (F16Times().count(key)) {
-    state.counters["q8_vs_f16"] = F16Times()[key] / per_call;
-    state.counters["cpu_q8_vs_f16"] = F16Times()[std::make_tuple(-D, L, threads)] / per_call_cpu;
+    state.counters["q8_vs_f16"] = F16Times()[key] / best;
   }
   state.SetLabel(q8 ? "q8_0" : "f16");
 }
@@ -284,30 +276,23 @@ void BM_Decode(benchmark::State& state) {
 void BM_Prefill(benchmark::State& state) {
   const int threads = static_cast<int>(state.range(0));
   const int D = 128, L = 4096, B = 512, Hkv = 8, G = 4;
-  const Rate peak = FmaPeak(threads);
+  const double peak = FmaPeak(threads);
   Setup s = MakeSetup(kv::DType::kF16, D, Hkv, G, L, B, false);
   kv::ThreadPool pool(threads);
   kv::AttentionParams p;
   if (!kv::Attend(s.qv, s.hist, p, &s.ov, &pool).ok()) state.SkipWithError("Attend failed");
-  double total = 0, cpu_total = 0;
-  int64_t calls = 0;
+  double best = 1e30;
   for (auto _ : state) {
     const auto t0 = Clock::now();
-    const double c0 = CpuSeconds();
     (void)kv::Attend(s.qv, s.hist, p, &s.ov, &pool);
-    cpu_total += (CpuSeconds() - c0) / threads;
-    total += Seconds(t0, Clock::now());
-    ++calls;
+    best = std::min(best, Seconds(t0, Clock::now()));
   }
   const double flops = 4.0 * B * L * Hkv * G * D;
-  const double gflops = flops / (total / calls) * 1e-9;
-  const double gflops_cpu = flops / (cpu_total / calls) * 1e-9;
+  const double gflops = flops / best * 1e-9;
+  state.counters["ms_call"] = best * 1e3;
   state.counters["GFLOPs"] = gflops;
-  state.counters["peak_GFLOPs"] = peak.wall * 1e-9;
-  state.counters["frac_peak"] = gflops / (peak.wall * 1e-9);
-  state.counters["cpu_GFLOPs"] = gflops_cpu;
-  state.counters["cpu_peak_GFLOPs"] = peak.cpu * 1e-9;
-  state.counters["cpu_frac_peak"] = gflops_cpu / (peak.cpu * 1e-9);
+  state.counters["peak_GFLOPs"] = peak * 1e-9;
+  state.counters["frac_peak"] = gflops / (peak * 1e-9);
   state.SetLabel("f16 D128 Hq32 Hkv8 B512 L4096");
 }
 
@@ -326,11 +311,10 @@ void BM_DecodeSideBySide(benchmark::State& state) {
     hwy::SetSupportedTargetsForTest(HWY_AVX2);
   }
   if (which == 4) hwy::SetSupportedTargetsForTest(HWY_SCALAR);
-  double total = 0, cpu_total = 0;
+  double total = 0, best = 1e30;
   int64_t calls = 0;
   for (auto _ : state) {
     const auto t0 = Clock::now();
-    const double c0 = CpuSeconds();
     switch (which) {
       case 0:
         kv::kernels::AttentionRef(s.qv, s.hist.k, s.hist.v, s.hist.mask, kp, &s.ov);
@@ -353,17 +337,20 @@ void BM_DecodeSideBySide(benchmark::State& state) {
 #endif
         break;
     }
-    cpu_total += CpuSeconds() - c0;
-    total += Seconds(t0, Clock::now());
+    const double sec = Seconds(t0, Clock::now());
+    total += sec;
+    best = std::min(best, sec);
     ++calls;
   }
   hwy::SetSupportedTargetsForTest(0);
   const double per_call = total / calls;
-  state.counters["us_call"] = per_call * 1e6;
-  state.counters["cpu_us_call"] = cpu_total / calls * 1e6;
-  state.counters["frac_rd"] = static_cast<double>(s.kv_bytes) / per_call / ReadBandwidth(1).wall;
-  state.counters["cpu_frac_rd"] =
-      static_cast<double>(s.kv_bytes) / (cpu_total / calls) / ReadBandwidth(1).cpu;
+  state.counters["mean_us_call"] = per_call * 1e6;
+  kv::ThreadPool pool1(1);
+  ReadSlicer slicer(&pool1);
+  double best_read = 0;
+  for (int i = 0; i < 16; ++i) best_read = std::max(best_read, slicer.Next());
+  state.counters["best_us_call"] = best * 1e6;
+  state.counters["frac_rd"] = static_cast<double>(s.kv_bytes) / best / best_read;
   state.SetLabel(label);
 }
 
