@@ -9,9 +9,6 @@
 // Choices beyond Ollama's encoder.go (documented in core/cache.h and here):
 // - A reserve pass's Put sizes storage (preserving any cached data) but neither copies nor marks
 //   the encoder cached: the reserve graph is never a real image.
-// - Remove(seq, b, e) with a finite e shifts a recorded position >= e down by e - b, as the causal
-//   cache shifts its cells, so a later Remove of the image token's new position still invalidates
-//   it.
 // - EncoderOptions::per_sequence keeps one block per sequence (Ollama holds one for all).
 #include <algorithm>
 #include <cstring>
@@ -300,12 +297,9 @@ class EncoderCacheImpl final : public EncoderCache {
                            seq);
     }
     Slot& slot = slots_[options_.per_sequence ? seq : 0];
-    if (slot.pos >= begin && slot.pos < end) {
-      slot.cached = false;
-    } else if (end != kPosMax && end > begin && slot.pos >= end) {
-      // The causal cache shifts later tokens down; keep the image token's position in step.
-      slot.pos -= end - begin;
-    }
+    // SEMANTICS.md §9, as Ollama: the recorded position never moves, even when a causal child
+    // shifts later tokens down.
+    if (slot.pos >= begin && slot.pos < end) slot.cached = false;
     return Status::Ok();
   }
 

@@ -188,10 +188,9 @@ TEST(EncoderCache, RecordsLastMultimodalPositionAndRemoveInvalidates) {
   EXPECT_TRUE(c->EncoderCached());
   EXPECT_TRUE(c->Remove(0, 11, 13).ok());  // before it (and 11 is not the recorded one): kept
   EXPECT_TRUE(c->EncoderCached());
-  // That Remove shifted the image token from 13 to 11 (as the causal cache shifts its cells).
+  // As Ollama (SEMANTICS.md §9), the recorded position does not move when a Remove shifts later
+  // tokens: it is still 13, so a Remove from 12 on covers it.
   EXPECT_TRUE(c->Remove(0, 12, kPosMax).ok());
-  EXPECT_TRUE(c->EncoderCached());
-  EXPECT_TRUE(c->Remove(0, 11, 12).ok());
   EXPECT_FALSE(c->EncoderCached());
   EXPECT_TRUE(c->CanResume(0, 0));
   EXPECT_TRUE(c->CanResume(0, 1000));
@@ -203,7 +202,7 @@ TEST(EncoderCache, RemoveToTheEndCoversThePosition) {
   ASSERT_TRUE(c->StartForward(b.Get(), false).ok());
   F32Tensor k(4, 1, 2, 0.0f);
   ASSERT_TRUE(c->Put(k.view, k.view).ok());
-  EXPECT_TRUE(c->Remove(0, 0, 2).ok() && c->EncoderCached());  // [0, 2): shifts 2 down to 0
+  EXPECT_TRUE(c->Remove(0, 0, 2).ok() && c->EncoderCached());  // [0, 2) does not hold 2
   EXPECT_TRUE(c->Remove(0, 0, kPosMax).ok());
   EXPECT_FALSE(c->EncoderCached());
   // A new Put (a new image) caches it again at the newly recorded position.
