@@ -25,6 +25,7 @@ namespace {
 constexpr char kMagic[8] = {'K', 'V', 'C', 'A', 'C', 'H', 'E', '\0'};
 constexpr uint32_t kKindCausal = 1;
 constexpr uint32_t kKindSequence = 2;
+constexpr uint32_t kKindWrapper = 3;
 constexpr size_t kHeaderBytes = 24;
 constexpr size_t kTrailerBytes = 4;
 
@@ -670,6 +671,86 @@ Status LoadCacheFile(const char* path, Cache* cache, int seq) {
   size_t size = 0;
   KV_RETURN_IF_ERROR(ReadFile(path, &buf, &size));
   return cache->Deserialize(std::span<const uint8_t>(buf.get(), size), seq);
+}
+
+Status SaveCache(const WrapperCache& cache, std::vector<uint8_t>* out, int seq) {
+  if (out == nullptr) return Status::Error(Code::kInvalidArgument, "SaveCache: null output");
+  // Child() is not const; saving only reads the children.
+  WrapperCache& w = const_cast<WrapperCache&>(cache);
+  const int n = w.NumChildren();
+  std::vector<std::vector<uint8_t>> children(static_cast<size_t>(n));
+  size_t total = kHeaderBytes + 4 + kTrailerBytes;
+  for (int i = 0; i < n; ++i) {
+    const Cache* c = w.Child(i);
+    if (c == nullptr)
+      return Status::Error(Code::kInvalidArgument, "SaveCache: child %d is null", i);
+    Status s = c->Serialize(&children[i], seq);
+    if (!s.ok()) return Status::Error(s.code(), "SaveCache: child %d: %s", i, s.message());
+    total += 8 + children[i].size();
+  }
+  out->reserve(total);
+  BeginStream(out, kKindWrapper);
+  PutU32(out, static_cast<uint32_t>(n));
+  for (const auto& c : children) {
+    PutU64(out, c.size());
+    PutBytes(out, c.data(), c.size());
+  }
+  EndStream(out);
+  return Status::Ok();
+}
+
+Status LoadCache(std::span<const uint8_t> bytes, WrapperCache* cache, int seq) {
+  if (cache == nullptr) return Status::Error(Code::kInvalidArgument, "LoadCache: null cache");
+  Reader r;
+  KV_RETURN_IF_ERROR(OpenStream(bytes, kKindWrapper, &r));
+  uint32_t n = 0;
+  if (!r.U32(&n)) return Truncated("the child count");
+  if (n > r.left() / 8) return Status::Error(Code::kCorrupt, "cache stream: %u children", n);
+  std::vector<std::span<const uint8_t>> spans;
+  for (uint32_t i = 0; i < n; ++i) {
+    uint64_t len = 0;
+    const uint8_t* p = nullptr;
+    if (!r.U64(&len) || len > r.left() || !r.Bytes(static_cast<size_t>(len), &p))
+      return Truncated("a child stream");
+    spans.emplace_back(p, static_cast<size_t>(len));
+  }
+  if (r.left() != 0)
+    return Status::Error(Code::kCorrupt, "cache stream: %zu bytes after the children", r.left());
+  if (static_cast<int64_t>(n) != cache->NumChildren()) {
+    return Status::Error(Code::kInvalidArgument, "load: stream has %u children, cache has %d", n,
+                         cache->NumChildren());
+  }
+  // Back every child up first: a child without persistence refuses here, before any change.
+  std::vector<std::vector<uint8_t>> backups(n);
+  for (uint32_t i = 0; i < n; ++i) {
+    if (cache->Child(static_cast<int>(i)) == nullptr)
+      return Status::Error(Code::kInvalidArgument, "load: child %u is null", i);
+    Status s = cache->Child(static_cast<int>(i))->Serialize(&backups[i], -1);
+    if (!s.ok()) return Status::Error(s.code(), "load: child %u: %s", i, s.message());
+  }
+  for (uint32_t i = 0; i < n; ++i) {
+    Status s = cache->Child(static_cast<int>(i))->Deserialize(spans[i], seq);
+    if (s.ok()) continue;
+    // Restoring a cache's own whole-cache stream needs no new storage, so it cannot fail.
+    for (uint32_t j = 0; j < i; ++j)
+      (void)cache->Child(static_cast<int>(j))->Deserialize(backups[j], -1);
+    return Status::Error(s.code(), "load: child %u: %s", i, s.message());
+  }
+  return Status::Ok();
+}
+
+Status SaveCacheFile(const WrapperCache& cache, const char* path, int seq) {
+  std::vector<uint8_t> bytes;
+  KV_RETURN_IF_ERROR(SaveCache(cache, &bytes, seq));
+  return WriteFileAtomically(path, bytes);
+}
+
+Status LoadCacheFile(const char* path, WrapperCache* cache, int seq) {
+  if (cache == nullptr) return Status::Error(Code::kInvalidArgument, "LoadCacheFile: null cache");
+  Buffer buf;
+  size_t size = 0;
+  KV_RETURN_IF_ERROR(ReadFile(path, &buf, &size));
+  return LoadCache(std::span<const uint8_t>(buf.get(), size), cache, seq);
 }
 
 Status SaveSequenceCache(const SequenceCache& cache, std::vector<uint8_t>* out) {

@@ -6,7 +6,8 @@
 // Stream format, version 1 (every integer little-endian, no implicit padding):
 //   offset 0   char[8] magic "KVCACHE\0"
 //          8   u32 version (1)
-//         12   u32 kind: 1 causal family (CausalCache), 2 growing/rotating (SequenceCache)
+//         12   u32 kind: 1 causal family (CausalCache), 2 growing/rotating (SequenceCache),
+//              3 wrapper (WrapperCache)
 //         16   u64 total bytes of the stream, checksum included
 //         24   body (below)
 //   total - 4  u32 CRC32C (core/crc32c.h) of bytes [0, total - 4)
@@ -53,8 +54,14 @@
 // After any successful load the target has no current forward pass: call StartForward before
 // Put/Get (as after Init).
 //
-// Not covered: the encoder cache and the wrapper cache (their Serialize/Deserialize return
-// kNotSupported); save a wrapper's causal children one by one through WrapperCache::Child.
+// Wrapper caches (the WrapperCache overloads below; stream kind 3): a u32 child count, then per
+// child a u64 byte count and that child's own stream. Every child must support persistence (an
+// encoder child does not: kNotSupported before anything changes); seq applies to every child. A
+// load validates the outer stream, backs every child up in memory, then loads the children in
+// order; if child i fails, children 0..i-1 are restored from their backups (contents as before;
+// their current forward pass is dropped, and storage they allocated stays allocated, zeroed).
+// Not covered: the encoder cache (Serialize/Deserialize return kNotSupported). Through a plain
+// Cache& a wrapper is kNotSupported too; call these overloads with the WrapperCache type.
 //
 // Files: SaveCacheFile writes `path` + ".tmp", fsyncs it, renames it over `path` and fsyncs the
 // directory, so a crash mid-save leaves either the previous file or the new one, never a torn one.
@@ -85,6 +92,12 @@ Status LoadCache(std::span<const uint8_t> bytes, Cache* cache, int seq = -1);
 
 Status SaveCacheFile(const Cache& cache, const char* path, int seq = -1);
 Status LoadCacheFile(const char* path, Cache* cache, int seq = -1);
+
+// Wrapper caches: every child, in order (see above).
+Status SaveCache(const WrapperCache& cache, std::vector<uint8_t>* out, int seq = -1);
+Status LoadCache(std::span<const uint8_t> bytes, WrapperCache* cache, int seq = -1);
+Status SaveCacheFile(const WrapperCache& cache, const char* path, int seq = -1);
+Status LoadCacheFile(const char* path, WrapperCache* cache, int seq = -1);
 
 // The growing and rotating caches: the stream wraps SaveState / RestoreState. The target must have
 // the same dtype, max_size and keep (kInvalidArgument otherwise).

@@ -514,6 +514,116 @@ TEST(PersistenceFile, EncoderAndWrapperAreNotSupported) {
   EXPECT_EQ(LoadCache(b, enc.get()).code(), Code::kNotSupported);
 }
 
+// ---- wrapper caches
+// --------------------------------------------------------------------------------
+
+std::unique_ptr<WrapperCache> MakeWrapper(int32_t causal_chunk = 0) {
+  std::vector<std::unique_ptr<Cache>> children;
+  children.push_back(NewSWACache(4));
+  if (causal_chunk > 0) {
+    children.push_back(NewChunkedAttentionCache(causal_chunk));
+  } else {
+    children.push_back(NewCausalCache());
+  }
+  auto w = NewWrapperCache(std::move(children));
+  EXPECT_TRUE(w->Init(DType::kF16, 2, 48, 8).ok());
+  return w;
+}
+
+// One step through a wrapper of SWA (even layers) + causal (odd layers); attention outputs out.
+Status WrapperStep(Driver& d, WrapperCache* w, int n, std::vector<float>* out) {
+  Batch b;
+  b.positions = std::span<const int32_t>(d.pos.data(), n);
+  b.sequences = std::span<const int32_t>(d.seq.data(), n);
+  KV_RETURN_IF_ERROR(w->StartForward(b, false));
+  out->assign(static_cast<size_t>(d.layers) * d.dv * n * d.q_heads, 0);
+  for (int l = 0; l < d.layers; ++l) {
+    for (size_t i = 0; i < d.k.size(); ++i) d.k[i] = testing::HashValue(d.pos[0], l, i);
+    for (size_t i = 0; i < d.v.size(); ++i) d.v[i] = testing::HashValue(d.pos[0], l + 9, i);
+    for (size_t i = 0; i < d.q.size(); ++i) d.q[i] = testing::HashValue(d.pos[0], l + 19, i);
+    w->SetLayer(l);
+    w->SetLayerType(l % 2);
+    KV_RETURN_IF_ERROR(w->Put(MakeView(d.k.data(), DType::kF32, {d.dk, d.kv_heads, n}),
+                              MakeView(d.v.data(), DType::kF32, {d.dv, d.kv_heads, n})));
+    TensorView q = MakeView(d.q.data(), DType::kF32, {d.dk, n, d.q_heads});
+    TensorView o = MakeView(out->data() + static_cast<size_t>(l) * d.dv * n * d.q_heads,
+                            DType::kF32, {d.dv, n, d.q_heads});
+    KV_RETURN_IF_ERROR(Attend(q, w->Get(), AttentionParams(), &o));
+  }
+  return Status::Ok();
+}
+
+TEST(PersistenceWrapper, InterleavedSlidingWindowAndCausalContinueIdentically) {
+  Driver d;
+  d.layers = 4;
+  auto a = MakeWrapper();
+  std::vector<float> oa, ob;
+  for (int t = 0; t < 10; ++t) {
+    d.seq[0] = 0;
+    d.pos[0] = t;
+    d.seq[1] = 1;
+    d.pos[1] = t;
+    ASSERT_TRUE(WrapperStep(d, a.get(), 2, &oa).ok());
+  }
+  std::vector<uint8_t> bytes;
+  ASSERT_TRUE(SaveCache(*a, &bytes).ok());
+  auto b = MakeWrapper();
+  const Status s = LoadCache(bytes, b.get());
+  ASSERT_TRUE(s.ok()) << s.message();
+  for (int t = 10; t < 20; ++t) {
+    d.seq[0] = t % 2;
+    d.pos[0] = t;
+    ASSERT_TRUE(WrapperStep(d, a.get(), 1, &oa).ok());
+    ASSERT_TRUE(WrapperStep(d, b.get(), 1, &ob).ok());
+    ASSERT_EQ(oa, ob) << t;
+  }
+  // File round trip through the overloads.
+  const std::string path = TempPath("wrapper.kv");
+  ASSERT_TRUE(SaveCacheFile(*a, path.c_str()).ok());
+  auto c = MakeWrapper();
+  ASSERT_TRUE(LoadCacheFile(path.c_str(), c.get()).ok());
+  std::vector<uint8_t> again, from_file;
+  ASSERT_TRUE(SaveCache(*a, &again).ok());
+  ASSERT_TRUE(SaveCache(*c, &from_file).ok());
+  EXPECT_EQ(again, from_file);
+  std::remove(path.c_str());
+}
+
+TEST(PersistenceWrapper, AFailingChildRestoresTheEarlierOnes) {
+  Driver d;
+  auto a = MakeWrapper();
+  std::vector<float> o;
+  for (int t = 0; t < 6; ++t) {
+    d.seq[0] = 0;
+    d.pos[0] = t;
+    ASSERT_TRUE(WrapperStep(d, a.get(), 1, &o).ok());
+  }
+  std::vector<uint8_t> bytes;
+  ASSERT_TRUE(SaveCache(*a, &bytes).ok());
+  auto b = MakeWrapper(/*causal_chunk=*/4);  // child 1 is another kind: its load fails
+  d.seq[0] = 1;
+  d.pos[0] = 0;
+  ASSERT_TRUE(WrapperStep(d, b.get(), 1, &o).ok());
+  std::vector<uint8_t> before, after;
+  ASSERT_TRUE(SaveCache(*b, &before).ok());
+  EXPECT_EQ(LoadCache(bytes, b.get()).code(), Code::kInvalidArgument);
+  ASSERT_TRUE(SaveCache(*b, &after).ok());
+  EXPECT_EQ(before, after);
+  // An encoder child cannot be saved: refused before anything changes.
+  std::vector<std::unique_ptr<Cache>> children;
+  children.push_back(NewEncoderCache());
+  children.push_back(NewCausalCache());
+  auto e = NewWrapperCache(std::move(children));
+  ASSERT_TRUE(e->Init(DType::kF16, 1, 16, 4).ok());
+  EXPECT_EQ(SaveCache(*e, &after).code(), Code::kNotSupported);
+  std::vector<uint8_t> two;
+  ASSERT_TRUE(SaveCache(*a, &two).ok());
+  EXPECT_EQ(LoadCache(two, e.get()).code(), Code::kNotSupported);
+  // Corruption of the outer stream.
+  for (size_t n = 0; n < bytes.size(); n += 11)
+    ASSERT_EQ(LoadCache(std::span<const uint8_t>(bytes.data(), n), b.get()).code(), Code::kCorrupt);
+}
+
 // ---- growing and rotating caches ---------------------------------------------------------------
 
 void UpdateSeq(SequenceCache* c, int step, int n, TensorView* ko, TensorView* vo) {
