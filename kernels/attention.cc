@@ -741,13 +741,32 @@ void PrefillTask(const Ctx& c, int64_t task) {
           hn::Store(hn::Mul(cap, hn::Tanh(df, hn::Mul(hn::Load(df, s + j), inv))), df, s + j);
         }
       }
-      for (int64_t j = 0; j < kTC; ++j) {
-        const bool in = j < n && t0 + j >= c.row_lo[b] && t0 + j < c.row_hi[b];
-        if (!in) {
-          s[j] = neg_inf;
-        } else if (c.mask.data != nullptr) {
-          s[j] += attn::MaskValue(c.mask, b, t0 + j);
+      // Cells outside the row's visible box (or past the history) become -inf; inside, the mask
+      // value is added (-inf hides). Vectorized: this runs per row and tile.
+      const float vlo = static_cast<float>(std::max<int64_t>(c.row_lo[b] - t0, 0));
+      const float vhi = static_cast<float>(std::min<int64_t>(c.row_hi[b] - t0, n));
+      const VF vvlo = hn::Set(df, vlo), vvhi = hn::Set(df, vhi);
+      const char* mrow = c.mask.data == nullptr ? nullptr
+                                                : static_cast<const char*>(c.mask.data) +
+                                                      static_cast<size_t>(b) * c.mask.nb[1] +
+                                                      static_cast<size_t>(t0) * c.mask.nb[0];
+      for (int64_t j = 0; j < kTC; j += kN) {
+        const VF idx = hn::Iota(df, static_cast<float>(j));
+        VF x = hn::Load(df, s + j);
+        if (mrow != nullptr) {
+          VF mv;
+          if (j + static_cast<int64_t>(kN) <= n) {
+            mv = c.mask.dtype == DType::kF16 ? LoadFloat<DType::kF16>(df, mrow, j)
+                                             : LoadFloat<DType::kF32>(df, mrow, j);
+          } else {
+            HWY_ALIGN float tmp[kN] = {};
+            for (int64_t t = j; t < n; ++t) tmp[t - j] = attn::MaskValue(c.mask, b, t0 + t);
+            mv = hn::Load(df, tmp);
+          }
+          x = hn::Add(x, mv);
         }
+        const auto inside = hn::And(hn::Ge(idx, vvlo), hn::Lt(idx, vvhi));
+        hn::Store(hn::IfThenElse(inside, x, hn::Set(df, neg_inf)), df, s + j);
       }
       VF vmax = hn::Set(df, neg_inf);
       for (int64_t j = 0; j < kTC; j += kN) vmax = hn::Max(vmax, hn::Load(df, s + j));
@@ -953,7 +972,9 @@ void Attention(const TensorView& q, const TensorView& k, const TensorView& v,
   c.row_hi = row_hi;
   c.partials = partials;
   if (!use_decode) {
-    c.q_tile = std::clamp<int64_t>(64 / c.G, 1, 32);
+    // About 128 query rows per task: the K/V tile conversion (scalar transposition of K) is
+    // amortized over that many rows.
+    c.q_tile = std::clamp<int64_t>(128 / c.G, 1, 64);
     c.n_qtiles = (c.B + c.q_tile - 1) / c.q_tile;
   }
   HWY_DYNAMIC_DISPATCH(AttentionImpl)(c, use_decode, pf);

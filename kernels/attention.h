@@ -25,10 +25,14 @@
 //     hidden cells cost no traffic. The history is split into chunks across threads (flash
 //     decoding); each task writes (m, l, acc) partials that one merge pass combines: Hkv * chunks *
 //     B * G * (Dv + 2) floats, small next to the history.
-//   prefill (B large): tasks are (KV head, tile of 16 batch rows); each 32-cell K/V tile is
-//     converted to f32 once (K transposed) and reused by the 16 * G query rows of the tile from L1.
-//     Traffic = Hkv * R * L * ceil(B / 16) from the cache hierarchy (K/V of one head fit in L2 for
-//     moderate L), Q and out once. Tiles no row of the query tile can see are skipped.
+//   prefill (B large): tasks are (KV head, tile of Bt = clamp(128 / G, 1, 64) batch rows); each
+//     tile of 4 vectors' worth of cells (64 on AVX-512) is converted to f32 once (K transposed,
+//     V as rows) and reused by the Bt * G (~128) query rows of the task from L1/L2.
+//     Traffic = Hkv * R * L_box * ceil(B / Bt) from the cache hierarchy (L_box: the cells inside
+//     the tile's visible box; tiles outside it are skipped), plus Q and out once. FLOPs =
+//     4 * B * Hq * D * L_box, so the arithmetic intensity is ~Bt * G * 4 * D / (R) flops/byte:
+//     ~1000 for f16 at D 128, compute-bound by a wide margin.
+//   Mode: decode for B < 8 (kAuto), else prefill.
 // Quantized K/V are dequantized in registers (decode) or into the f32 tile (prefill); no f32 copy
 // of the history is ever made.
 //
