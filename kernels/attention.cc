@@ -198,38 +198,66 @@ HWY_INLINE void GatherScales(DF df, const char* row0, size_t stride, int64_t n, 
   }
 }
 
-// Quantized plain V: per block of 32 dims, the weights p[g][j] * d[j] are formed once (vectors over
-// j), then the codes of each row are converted once and FMAed into every head's accumulator.
+// Chunks of dims accumulated per pass over the cells: kVChunks * kG independent FMA chains (the
+// chain runs along the cells) and each broadcast weight reused kVChunks times. AVX-512 has 32
+// registers for 4 x 4 accumulators; narrower targets take 2.
+#if HWY_TARGET <= HWY_AVX3
+constexpr int64_t kVChunks = 4;
+#else
+constexpr int64_t kVChunks = 2;
+#endif
+
+// Quantized plain V, dims [blk0 * 32, blk0 * 32 + kSpan): the weights p[g][j] * d_blk[j] are
+// formed once per block (vectors over j), then each row's codes are converted once and FMAed into
+// every head's accumulators, kC chunks per pass.
+template <DType T, int kG, int64_t kC>
+HWY_INLINE void AccumQuantGroup(DF df, const char* vrow0, size_t vstride, int64_t n, int64_t blk0,
+                                const float* p, int64_t p_stride, const float* vscale, float* acc,
+                                int64_t acc_stride) {
+  constexpr int64_t kPass = kC * static_cast<int64_t>(kN);
+  constexpr int64_t kBlocks = kPass >= 32 ? kPass / 32 : 1;
+  constexpr int64_t kSpan = kBlocks * 32;
+  HWY_ALIGN float w[kBlocks][kG][kScaleStride];
+  for (int64_t lb = 0; lb < kBlocks; ++lb) {
+    for (int g = 0; g < kG; ++g) {
+      for (int64_t j = 0; j < n; j += kN) {
+        hn::Store(hn::Mul(hn::Load(df, p + g * p_stride + j),
+                          hn::Load(df, vscale + (blk0 + lb) * kScaleStride + j)),
+                  df, &w[lb][g][j]);
+      }
+    }
+  }
+  for (int64_t i = blk0 * 32; i < blk0 * 32 + kSpan; i += kPass) {
+    VF a[kC][kG];
+    for (int64_t c = 0; c < kC; ++c)
+      for (int g = 0; g < kG; ++g) a[c][g] = hn::Load(df, acc + g * acc_stride + i + c * kN);
+    for (int64_t j = 0; j < n; ++j) {
+      const char* vr = vrow0 + static_cast<size_t>(j) * vstride;
+      for (int64_t c = 0; c < kC; ++c) {
+        const int64_t lb = (i + c * static_cast<int64_t>(kN)) / 32 - blk0;
+        const VF vv = LoadCodes<T>(df, vr, i + c * kN);
+        for (int g = 0; g < kG; ++g) a[c][g] = hn::MulAdd(hn::Set(df, w[lb][g][j]), vv, a[c][g]);
+      }
+    }
+    for (int64_t c = 0; c < kC; ++c)
+      for (int g = 0; g < kG; ++g) hn::Store(a[c][g], df, acc + g * acc_stride + i + c * kN);
+  }
+}
+
 template <DType T, int kG>
 HWY_INLINE void AccumQuant(DF df, const char* vrow0, size_t vstride, int64_t n, int64_t Dv,
                            const float* p, int64_t p_stride, const float* vscale, float* acc,
                            int64_t acc_stride) {
-  HWY_ALIGN float w[kG][kScaleStride];
-  for (int64_t blk = 0; blk < Dv / 32; ++blk) {
-    for (int g = 0; g < kG; ++g) {
-      for (int64_t j = 0; j < n; j += kN) {
-        hn::Store(hn::Mul(hn::Load(df, p + g * p_stride + j),
-                          hn::Load(df, vscale + blk * kScaleStride + j)),
-                  df, &w[g][j]);
-      }
-    }
-    // kC chunks per pass so that kC * kG independent FMA chains hide the FMA latency (the chain
-    // runs along the cells).
-    constexpr int64_t kC = (kG <= 4 && kN < 32) ? 2 : 1;
-    for (int64_t i = blk * 32; i < blk * 32 + 32; i += kC * kN) {
-      VF a[kC][kG];
-      for (int64_t c = 0; c < kC; ++c)
-        for (int g = 0; g < kG; ++g) a[c][g] = hn::Load(df, acc + g * acc_stride + i + c * kN);
-      for (int64_t j = 0; j < n; ++j) {
-        const char* vr = vrow0 + static_cast<size_t>(j) * vstride;
-        for (int64_t c = 0; c < kC; ++c) {
-          const VF vv = LoadCodes<T>(df, vr, i + c * kN);
-          for (int g = 0; g < kG; ++g) a[c][g] = hn::MulAdd(hn::Set(df, w[g][j]), vv, a[c][g]);
-        }
-      }
-      for (int64_t c = 0; c < kC; ++c)
-        for (int g = 0; g < kG; ++g) hn::Store(a[c][g], df, acc + g * acc_stride + i + c * kN);
-    }
+  constexpr int64_t kC = kG <= 4 ? kVChunks : 1;
+  constexpr int64_t kPass = kC * static_cast<int64_t>(kN);
+  constexpr int64_t kBlocks = kPass >= 32 ? kPass / 32 : 1;
+  int64_t blk = 0;
+  for (; blk + kBlocks <= Dv / 32; blk += kBlocks) {
+    AccumQuantGroup<T, kG, kC>(df, vrow0, vstride, n, blk, p, p_stride, vscale, acc, acc_stride);
+  }
+  for (; blk < Dv / 32; ++blk) {  // a block left over (Dv / 32 odd with two-block passes)
+    constexpr int64_t kC1 = 32 / static_cast<int64_t>(kN) < kC ? 32 / static_cast<int64_t>(kN) : kC;
+    AccumQuantGroup<T, kG, kC1>(df, vrow0, vstride, n, blk, p, p_stride, vscale, acc, acc_stride);
   }
 }
 
@@ -298,33 +326,85 @@ HWY_INLINE void DotHeads(DF df, const void* krow, const float* qs, int64_t Dp, i
 }
 
 // acc[g][0..Dv) += sum_j p[g][j] * V[j] for n plain V rows starting at vrow0, `vstride` apart.
+// Elements [i, i + kN) of row `row` as f32 with its block scale applied (quantized) or not.
+template <DType T>
+HWY_INLINE VF LoadK(DF df, const void* row, int64_t i, int64_t D, VF scale) {
+  if constexpr (IsQuantized(T)) {
+    (void)D;
+    return hn::Mul(LoadCodes<T>(df, row, i), scale);
+  } else {
+    (void)scale;
+    return i + static_cast<int64_t>(kN) <= D ? LoadFloat<T>(df, row, i)
+                                             : LoadFloatTail<T>(df, row, i, D - i);
+  }
+}
+
+// Two K rows at once: each q vector loaded once for both rows (the K loop is load-port bound).
+// s[g * s_stride] and s[g * s_stride + 1] receive rows 0 and 1.
+template <DType T, int kG>
+HWY_INLINE void DotHeads2(DF df, const void* krow0, const void* krow1, const float* qs, int64_t Dp,
+                          int64_t D, float* s, int64_t s_stride) {
+  VF acc0[kG], acc1[kG];
+  for (int g = 0; g < kG; ++g) acc0[g] = acc1[g] = hn::Zero(df);
+  VF sc0 = hn::Zero(df), sc1 = hn::Zero(df);
+  for (int64_t i = 0; i < D; i += kN) {
+    if constexpr (IsQuantized(T)) {
+      if (i % 32 == 0) {
+        sc0 = hn::Set(df, BlockScale<T>(krow0, i / 32));
+        sc1 = hn::Set(df, BlockScale<T>(krow1, i / 32));
+      }
+    }
+    const VF k0 = LoadK<T>(df, krow0, i, D, sc0);
+    const VF k1 = LoadK<T>(df, krow1, i, D, sc1);
+    for (int g = 0; g < kG; ++g) {
+      const VF qv = hn::LoadU(df, qs + g * Dp + i);
+      acc0[g] = hn::MulAdd(qv, k0, acc0[g]);
+      acc1[g] = hn::MulAdd(qv, k1, acc1[g]);
+    }
+  }
+  int g = 0;
+#if HWY_TARGET != HWY_SCALAR
+  for (; g + 4 <= kG; g += 4) {
+    HWY_ALIGN float four[2][4];
+    hn::Store(Reduce4(df, acc0[g], acc0[g + 1], acc0[g + 2], acc0[g + 3]), hn::Full128<float>(),
+              four[0]);
+    hn::Store(Reduce4(df, acc1[g], acc1[g + 1], acc1[g + 2], acc1[g + 3]), hn::Full128<float>(),
+              four[1]);
+    for (int t = 0; t < 4; ++t) {
+      s[(g + t) * s_stride] = four[0][t];
+      s[(g + t) * s_stride + 1] = four[1][t];
+    }
+  }
+#endif
+  for (; g < kG; ++g) {
+    s[g * s_stride] = hn::GetLane(hn::SumOfLanes(df, acc0[g]));
+    s[g * s_stride + 1] = hn::GetLane(hn::SumOfLanes(df, acc1[g]));
+  }
+}
+
 // Float dtypes. Dimension chunks outside, cells inside: each head's accumulator chunk stays in a
 // register.
 template <DType T, int kG>
 HWY_INLINE void AccumPlain(DF df, const char* vrow0, size_t vstride, int64_t n, int64_t Dv,
                            const float* p, int64_t p_stride, float* acc, int64_t acc_stride) {
   int64_t i = 0;
-  if constexpr (kG <= 4) {  // two chunks per pass: 2 * kG FMA chains along the cells
-    for (; i + 2 * static_cast<int64_t>(kN) <= Dv; i += 2 * kN) {
-      VF a[2][kG];
-      for (int g = 0; g < kG; ++g) {
-        a[0][g] = hn::Load(df, acc + g * acc_stride + i);
-        a[1][g] = hn::Load(df, acc + g * acc_stride + i + kN);
-      }
+  if constexpr (kG <= 4) {  // kVChunks chunks per pass (see kVChunks)
+    constexpr int64_t kC = kVChunks;
+    for (; i + kC * static_cast<int64_t>(kN) <= Dv; i += kC * kN) {
+      VF a[kC][kG];
+      for (int64_t c = 0; c < kC; ++c)
+        for (int g = 0; g < kG; ++g) a[c][g] = hn::Load(df, acc + g * acc_stride + i + c * kN);
       for (int64_t j = 0; j < n; ++j) {
         const char* vr = vrow0 + static_cast<size_t>(j) * vstride;
-        const VF v0 = LoadFloat<T>(df, vr, i);
-        const VF v1 = LoadFloat<T>(df, vr, i + kN);
+        VF vv[kC];
+        for (int64_t c = 0; c < kC; ++c) vv[c] = LoadFloat<T>(df, vr, i + c * kN);
         for (int g = 0; g < kG; ++g) {
           const VF pg = hn::Set(df, p[g * p_stride + j]);
-          a[0][g] = hn::MulAdd(pg, v0, a[0][g]);
-          a[1][g] = hn::MulAdd(pg, v1, a[1][g]);
+          for (int64_t c = 0; c < kC; ++c) a[c][g] = hn::MulAdd(pg, vv[c], a[c][g]);
         }
       }
-      for (int g = 0; g < kG; ++g) {
-        hn::Store(a[0][g], df, acc + g * acc_stride + i);
-        hn::Store(a[1][g], df, acc + g * acc_stride + i + kN);
-      }
+      for (int64_t c = 0; c < kC; ++c)
+        for (int g = 0; g < kG; ++g) hn::Store(a[c][g], df, acc + g * acc_stride + i + c * kN);
     }
   }
   for (; i < Dv; i += kN) {
@@ -429,11 +509,19 @@ HWY_NOINLINE void DecodeCells(const Ctx& c, int64_t h, int64_t b, int64_t g0, in
   // on its own to reach the read bandwidth), and this piece's V rows ahead of the V pass.
   const size_t krow_bytes = RowBytes(T, c.D);
   const size_t vrow_bytes = kPermV ? 0 : RowBytes(T, c.Dv);
-  for (int64_t j = 0; j < n; ++j) {
-    const char* ka = kbase + static_cast<size_t>(c0 + j + kPrefetchCells) * c.k.nb[2];
-    for (size_t o = 0; o < krow_bytes; o += 64) hwy::Prefetch(ka + o);
-    const char* va = vrow0 + static_cast<size_t>(j) * c.v.nb[2];
-    for (size_t o = 0; o < vrow_bytes; o += 64) hwy::Prefetch(va + o);
+  int64_t j = 0;
+  for (; j + 2 <= n; j += 2) {
+    for (int64_t r = 0; r < 2; ++r) {
+      const char* ka = kbase + static_cast<size_t>(c0 + j + r + kPrefetchCells) * c.k.nb[2];
+      for (size_t o = 0; o < krow_bytes; o += 64) hwy::Prefetch(ka + o);
+      const char* va = vrow0 + static_cast<size_t>(j + r) * c.v.nb[2];
+      for (size_t o = 0; o < vrow_bytes; o += 64) hwy::Prefetch(va + o);
+    }
+    const char* k0 = kbase + static_cast<size_t>(c0 + j) * c.k.nb[2];
+    DotHeads2<T, kG>(df, k0, k0 + c.k.nb[2], qs + g0 * c.Dp, c.Dp, c.D, &s[0][j],
+                     kBlockCells + kRowPad);
+  }
+  if (j < n) {
     DotHeads<T, kG>(df, kbase + static_cast<size_t>(c0 + j) * c.k.nb[2], qs + g0 * c.Dp, c.Dp, c.D,
                     &s[0][j], kBlockCells + kRowPad);
   }

@@ -361,7 +361,7 @@ void DecodeArgs(benchmark::internal::Benchmark* b) {
         for (int q8 : {0, 1}) b->Args({D, L, q8, threads});
 }
 
-BENCHMARK(BM_Decode)->Apply(DecodeArgs)->Unit(benchmark::kMicrosecond)->MinTime(0.3)->UseRealTime();
+BENCHMARK(BM_Decode)->Apply(DecodeArgs)->Unit(benchmark::kMicrosecond)->MinTime(1.0)->UseRealTime();
 BENCHMARK(BM_Prefill)->Arg(1)->Arg(2)->Unit(benchmark::kMillisecond)->Iterations(3)->UseRealTime();
 BENCHMARK(BM_DecodeSideBySide)
     ->DenseRange(0, 4)
