@@ -21,11 +21,13 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "core/attend.h"
+#include "core/cache.h"
 #include "core/thread_pool.h"
 #include "gtest/gtest.h"
 #include "hwy/aligned_allocator.h"
@@ -528,6 +530,94 @@ TEST(AttendTest, SequenceLayoutView) {
     kp.scale = 0.125f;
     kernels::AttentionRef(qv, hist.k, hist.v, hist.mask, kp, &rv);
     for (int i = 0; i < D * 4; ++i) EXPECT_NEAR(out[i], ref[i], 2e-5);
+  }
+}
+
+}  // namespace
+}  // namespace kv
+
+namespace kv {
+namespace {
+
+// Histories from the real caches: several sequences interleaved in one cell table (other
+// sequences' cells and padding cells masked), sliding window, chunked attention, both V layouts,
+// prefill then decode steps; Attend (1 thread, a pool, a caller's parallel-for) vs the reference.
+TEST(AttendTest, RealCacheHistories) {
+  struct Config {
+    const char* name;
+    std::unique_ptr<CausalCache> (*make)();
+    DType dt;
+    bool permuted;
+    int padding;
+  };
+  const Config configs[] = {
+      {"causal f16 pad4", [] { return NewCausalCache(); }, DType::kF16, false, 4},
+      {"causal bf16 permV", [] { return NewCausalCache(); }, DType::kBF16, true, 1},
+      {"swa5 q8_0", [] { return NewSWACache(5); }, DType::kQ8_0, false, 1},
+      {"chunk8 q4_0", [] { return NewChunkedAttentionCache(8); }, DType::kQ4_0, false, 1},
+      {"chunk8 f32 permV", [] { return NewChunkedAttentionCache(8); }, DType::kF32, true, 2},
+  };
+  const int D = 64, Hkv = 2, Hq = 8;
+  ThreadPool pool(2);
+  // A caller's parallel-for: runs the tasks on the calling thread, last first.
+  ParallelFor reverse;
+  reverse.num_threads = 3;
+  reverse.run = [](void*, int64_t n, void (*task)(void*, int64_t), void* ctx) {
+    for (int64_t i = n - 1; i >= 0; --i) task(ctx, i);
+  };
+  std::mt19937 rng(99);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  for (const Config& cfg : configs) {
+    SCOPED_TRACE(cfg.name);
+    std::unique_ptr<CausalCache> cache = cfg.make();
+    CacheConfig cc;
+    cc.padding = cfg.padding;
+    cc.permuted_v = cfg.permuted;
+    ASSERT_TRUE(cache->SetConfig(cc).ok());
+    ASSERT_TRUE(cache->Init(cfg.dt, 3, 128, 16).ok());
+    std::vector<int32_t> next(3, 0);
+    for (int step = 0; step < 6; ++step) {
+      // Step 0: a prefill of 12 tokens spread over 3 sequences; then decode steps of 1-3 tokens.
+      const int n = step == 0 ? 12 : 1 + step % 3;
+      std::vector<int32_t> pos(n), seq(n);
+      for (int i = 0; i < n; ++i) {
+        seq[i] = (i + step) % 3;
+        pos[i] = next[seq[i]]++;
+      }
+      Batch batch;
+      batch.positions = pos;
+      batch.sequences = seq;
+      ASSERT_TRUE(cache->StartForward(batch, false).ok());
+      cache->SetLayer(0);
+      std::vector<float> k(static_cast<size_t>(D) * Hkv * n), v(k.size()),
+          q(static_cast<size_t>(D) * n * Hq);
+      for (float& x : k) x = u(rng);
+      for (float& x : v) x = u(rng);
+      for (float& x : q) x = u(rng);
+      ASSERT_TRUE(cache
+                      ->Put(MakeView(k.data(), DType::kF32, {D, Hkv, n}),
+                            MakeView(v.data(), DType::kF32, {D, Hkv, n}))
+                      .ok());
+      const History h = cache->Get();
+      std::vector<float> out(static_cast<size_t>(D) * n * Hq), ref(out.size());
+      TensorView qv = MakeView(q.data(), DType::kF32, {D, n, Hq});
+      TensorView ov = MakeView(out.data(), DType::kF32, {D, n, Hq});
+      TensorView rv = MakeView(ref.data(), DType::kF32, {D, n, Hq});
+      kernels::AttentionKernelParams kp;
+      kp.scale = 0.125f;
+      kp.v_permuted = cfg.permuted;
+      kernels::AttentionRef(qv, h.k, h.v, h.mask, kp, &rv);
+      for (int run = 0; run < 3; ++run) {
+        std::fill(out.begin(), out.end(), 777.0f);
+        Status st = run == 0   ? Attend(qv, h, AttentionParams{}, &ov)
+                    : run == 1 ? Attend(qv, h, AttentionParams{}, &ov, &pool)
+                               : Attend(qv, h, AttentionParams{}, &ov, reverse);
+        ASSERT_TRUE(st.ok()) << st.message();
+        for (size_t i = 0; i < out.size(); ++i) {
+          ASSERT_NEAR(out[i], ref[i], 2e-5) << "step " << step << " run " << run << " i " << i;
+        }
+      }
+    }
   }
 }
 
