@@ -24,6 +24,7 @@
 #include <thread>
 #include <vector>
 
+#include "core/sequence_cache.h"
 #include "core/thread_pool.h"
 #include "decode_driver.h"
 #include "gtest/gtest.h"
@@ -240,6 +241,88 @@ TEST(NoAllocation, SteadyStateDecodeEveryKindDTypeAndThreadCount) {
       }
     }
   }
+}
+
+// The wrapper (SWA + causal, interleaved layers) and the rotating / growing sequence caches.
+TEST(NoAllocation, SteadyStateDecodeWrapperAndSequenceCaches) {
+#if !KV_COUNT_ALLOCATIONS
+  GTEST_SKIP() << "sanitizer build: malloc belongs to the sanitizer";
+#endif
+  int64_t wrapper_allocs = -1, rotating_allocs = -1, growing_allocs = -1;
+  bool ok = true;
+  std::thread t([&] {
+    Driver d;
+    std::vector<std::unique_ptr<Cache>> children;
+    children.push_back(NewSWACache(8));
+    children.push_back(NewCausalCache());
+    auto w = NewWrapperCache(std::move(children));
+    ok &= w->Init(DType::kF16, 1, 256, d.max_batch).ok();
+    std::vector<float> out(d.out.size());
+    int32_t pos = 0;
+    auto step = [&](int n, bool reserve) {
+      for (int i = 0; i < n; ++i) {
+        d.pos[i] = pos + i;
+        d.seq[i] = 0;
+      }
+      Batch b;
+      b.positions = std::span<const int32_t>(d.pos.data(), n);
+      b.sequences = std::span<const int32_t>(d.seq.data(), n);
+      ok &= w->StartForward(b, reserve).ok();
+      for (int l = 0; l < 4; ++l) {
+        w->SetLayer(l);
+        w->SetLayerType(l % 2);
+        ok &= w->Put(MakeView(d.k.data(), DType::kF32, {d.dk, d.kv_heads, n}),
+                     MakeView(d.v.data(), DType::kF32, {d.dv, d.kv_heads, n}))
+                  .ok();
+        TensorView q = MakeView(d.q.data(), DType::kF32, {d.dk, n, d.q_heads});
+        TensorView o = MakeView(out.data(), DType::kF32, {d.dv, n, d.q_heads});
+        History h = w->Get();
+        ok &= Attend(q, h, AttentionParams(), &o).ok();
+        if (reserve) {  // size the decode scratch for the longest history
+          h.mask.ne[1] = 1;
+          TensorView q1 = MakeView(d.q.data(), DType::kF32, {d.dk, 1, d.q_heads});
+          TensorView o1 = MakeView(out.data(), DType::kF32, {d.dv, 1, d.q_heads});
+          ok &= Attend(q1, h, AttentionParams(), &o1).ok();
+        }
+      }
+      if (!reserve) pos += n;
+    };
+    step(d.max_batch, true);
+    step(8, false);
+    for (int i = 0; i < 4; ++i) step(1, false);
+    g_allocations = 0;
+    g_counting = true;
+    for (int i = 0; i < 100; ++i) step(1, false);
+    g_counting = false;
+    wrapper_allocs = g_allocations.load();
+
+    // Sequence caches: one token per Update after warm-up; the rotating cache wraps around
+    // (max_size 64, slack 256; warm-up: long enough for the block to reach its full size and wrap),
+    // the growing one stays inside its first 256-token block.
+    const int D = 32, H = 2;
+    std::vector<float> kv(static_cast<size_t>(D) * H, 0.25f);
+    TensorView ko, vo;
+    for (int kind = 0; kind < 2; ++kind) {
+      auto c = kind == 0 ? NewRotatingKVCache(64, 4, DType::kQ8_0) : NewKVCache(DType::kF16);
+      for (int i = 0; i < (kind == 0 ? 1000 : 16); ++i)
+        ok &= c->Update(MakeView(kv.data(), DType::kF32, {D, 1, H, 1}),
+                        MakeView(kv.data(), DType::kF32, {D, 1, H, 1}), 1, &ko, &vo)
+                  .ok();
+      g_allocations = 0;
+      g_counting = true;
+      for (int i = 0; i < (kind == 0 ? 600 : 200); ++i)
+        ok &= c->Update(MakeView(kv.data(), DType::kF32, {D, 1, H, 1}),
+                        MakeView(kv.data(), DType::kF32, {D, 1, H, 1}), 1, &ko, &vo)
+                  .ok();
+      g_counting = false;
+      (kind == 0 ? rotating_allocs : growing_allocs) = g_allocations.load();
+    }
+  });
+  t.join();
+  EXPECT_TRUE(ok);
+  EXPECT_EQ(wrapper_allocs, 0);
+  EXPECT_EQ(rotating_allocs, 0);
+  EXPECT_EQ(growing_allocs, 0);
 }
 
 // Without the reserve pass, only ordinary decode steps as warm-up: the history grows by one cell a
