@@ -134,6 +134,8 @@ std::string StorageErrCell(const json& c) {
 
 std::vector<Row> PhaseRows(const std::string& prefill_label, const std::string& decode_label) {
   return {
+      {"read bandwidth measured before this run",
+       [](const json& j) { return Gbs(D(j, {"read_bandwidth_bytes_per_s"})); }},
       {prefill_label,
        [](const json& j) {
          return Rate(D(j, {"prefill", "tokens_per_s"}));
@@ -294,6 +296,8 @@ void PrintScenario(const std::string& name, const std::vector<json>& rs) {
         "encoder output (f16, stored as given) in every layer of every decode step\n\n",
         rs[0].value("sequences", 0), rs[0].value("prompt", 0), rs[0].value("encoder_frames", 0));
     std::vector<Row> rows = {
+        {"read bandwidth measured before this run",
+         [](const json& j) { return Gbs(D(j, {"read_bandwidth_bytes_per_s"})); }},
         {"decode tokens/s (self + cross attention)",
          [](const json& j) {
            return Rate(D(j, {"decode", "tokens_per_s"}));
@@ -328,6 +332,8 @@ void PrintScenario(const std::string& name, const std::vector<json>& rs) {
         rs[0].value("tokens_streamed", 0), rs[0].value("window", 0), rs[0].value("sinks", 0),
         rs[0].value("attend_every", 0));
     std::vector<Row> rows = {
+        {"read bandwidth measured before this run",
+         [](const json& j) { return Gbs(D(j, {"read_bandwidth_bytes_per_s"})); }},
         {"append tokens/s (Update, 16 layers)",
          [](const json& j) { return Rate(D(j, {"update_tokens_per_s"})); }},
         {"bytes moved per token per layer (sinks, compaction)",
@@ -552,17 +558,37 @@ int main(int argc, char** argv) {
       {"default", RunDefault},      {"swa", RunInterleavedSWA},    {"chunked", RunChunked},
       {"swa-mem", RunSWAMemResume}, {"encdec", RunEncoderDecoder}, {"rotating", RunRotating},
       {"shift", RunContextShift}};
+  // The read bandwidth is measured again right before every run, and each run's ratios use the
+  // figure measured next to it: on a shared machine the bandwidth available changes over minutes.
+  std::vector<double> bws = {ctx.read_bw};
+  bool first_run = true;
+  auto measure = [&]() {
+    if (!first_run) {
+      Progress("measuring read bandwidth (sum over 256 MiB, %d threads)", threads);
+      ctx.read_bw = MeasureReadBandwidth(&pool);
+      bws.push_back(ctx.read_bw);
+    }
+    first_run = false;
+  };
   for (const std::string& name : scenarios) {
     for (kv::DType d : opt.dtypes) {
-      results[name].push_back(fns.at(name)(ctx, d, &failures));
+      measure();
+      json r = fns.at(name)(ctx, d, &failures);
+      r["read_bandwidth_bytes_per_s"] = ctx.read_bw;
+      results[name].push_back(r);
     }
   }
   json sweep_json;
+  double sweep_bw = 0;
   if (sweep) {
     for (kv::DType d : opt.dtypes) {
+      measure();
+      sweep_bw = std::max(sweep_bw, ctx.read_bw);
       sweep_json[kv::DTypeName(d)] = RunSweep(ctx, d, sweep_contexts, &failures);
     }
   }
+  const double bw_min = *std::min_element(bws.begin(), bws.end());
+  const double bw_max = *std::max_element(bws.begin(), bws.end());
   const double total_s = Seconds(ctx.t0, Clock::now());
   const double cpu_s = ProcessCpuSeconds() - cpu0;
   ProgressDone();
@@ -572,8 +598,10 @@ int main(int argc, char** argv) {
       "model: Llama-1B-shaped attention (%d layers, %d query heads, %d KV heads, head_dim %d); "
       "deterministic pseudo-random K/V/Q, no weights\n",
       sh.layers, sh.q_heads, sh.kv_heads, sh.head_dim);
-  std::printf("machine: %s, %d threads; read bandwidth %.2f GB/s (best of 5 sums over 256 MiB)\n",
-              cpu.c_str(), threads, ctx.read_bw * 1e-9);
+  std::printf(
+      "machine: %s, %d threads; read bandwidth %.2f to %.2f GB/s (best of 5 sums over 256 MiB with "
+      "%d threads, measured before each run; each run's ratios use its own figure)\n",
+      cpu.c_str(), threads, bw_min * 1e-9, bw_max * 1e-9, threads);
   // Idle pool workers spin briefly before sleeping, so this overstates useful work a little; far
   // below `threads` it says the machine was shared and every absolute figure is pessimistic.
   std::printf(
@@ -609,6 +637,7 @@ int main(int argc, char** argv) {
 
   for (auto& [name, rs] : results) report["scenarios"][name] = rs;
   if (sweep) report["sweep"] = sweep_json;
+  report["machine"]["read_bandwidth_measurements_bytes_per_s"] = bws;
   report["seconds_total"] = total_s;
   report["process_cpu_seconds"] = cpu_s;
   report["failures"] = failures;
@@ -624,7 +653,7 @@ int main(int argc, char** argv) {
     }
   }
   if (!svg_path.empty()) {
-    if (!WriteSvg(svg_path, sweep_json, ctx.read_bw, cpu, threads)) {
+    if (!WriteSvg(svg_path, sweep_json, sweep_bw, cpu, threads)) {
       failures.push_back("cannot write " + svg_path);
     } else {
       std::printf("wrote %s\n", svg_path.c_str());
