@@ -1,0 +1,272 @@
+// Fuzzer of the session loader (core/persistence.h): LoadCache / LoadSequenceCache on damaged
+// streams. The input builds a small source cache (a causal-family cache, a wrapper of SWA +
+// causal, or a growing / rotating cache) from a few decoded calls, saves it (whole or one
+// sequence), then damages the stream with fuzzed edits (byte flips, overwritten integers,
+// truncation, extension) or replaces it with raw input bytes, and, when the input asks, repairs the
+// total size and the CRC32C so the field-by-field validation behind the checksum is reached.
+// Checked: no crash or sanitizer report whatever the bytes; a failing load leaves the target
+// byte-for-byte as it was (its own saved stream, CheckConsistency); a successful load leaves a
+// consistent cache that takes a further StartForward + Put + Get, and an undamaged whole-cache
+// stream loads back to the identical stream.
+#include <algorithm>
+#include <cstring>
+#include <memory>
+#include <vector>
+
+#include "core/cache.h"
+#include "core/crc32c.h"
+#include "core/persistence.h"
+#include "core/sequence_cache.h"
+#include "fuzz_common.h"
+
+namespace {
+
+using kv::DType;
+using kv::Status;
+using kv::TensorView;
+using kvfuzz::Reader;
+
+const DType kDtypes[] = {DType::kF32, DType::kF16, DType::kBF16, DType::kQ8_0, DType::kQ4_0};
+
+struct Shape {
+  int family = 0;  // 0 causal, 1 SWA, 2 SWA with memory, 3 chunked
+  int32_t window = 0, memory = 0, chunk = 0;
+  DType dtype = DType::kF32;
+  int seqs = 2, capacity = 16, batch = 4, padding = 1;
+  int head_dim = 32, heads = 1, layers = 1;
+};
+
+std::unique_ptr<kv::CausalCache> MakeCausal(const Shape& s) {
+  kv::ShiftFn none;
+  switch (s.family) {
+    case 1:
+      return kv::NewSWACache(s.window, none);
+    case 2:
+      return kv::NewSWAMemCache(s.window, s.memory, none);
+    case 3:
+      return kv::NewChunkedAttentionCache(s.chunk, none);
+    default:
+      return kv::NewCausalCache(none);
+  }
+}
+
+Status InitCache(kv::Cache* c, const Shape& s) {
+  kv::CacheConfig cfg;
+  cfg.padding = s.padding;
+  KV_RETURN_IF_ERROR(c->SetConfig(cfg));
+  return c->Init(s.dtype, s.seqs, s.capacity, s.batch);
+}
+
+// A few forward passes with Puts into every layer.
+// strict: every Put must succeed (false after a load, whose layer shapes come from the stream).
+void Fill(kv::Cache* c, const Shape& s, Reader& r, int passes, bool strict = true) {
+  std::vector<int32_t> next(s.seqs, 0);
+  for (int p = 0; p < passes; ++p) {
+    const int b = r.Int(1, s.batch);
+    std::vector<int32_t> pos(b), seq(b);
+    for (int i = 0; i < b; ++i) {
+      seq[i] = r.Int(0, s.seqs - 1);
+      pos[i] = next[seq[i]]++;
+    }
+    kv::Batch batch;
+    batch.positions = pos;
+    batch.sequences = seq;
+    if (!c->StartForward(batch, false).ok()) continue;
+    std::vector<float> k(static_cast<size_t>(s.head_dim) * s.heads * b);
+    for (size_t i = 0; i < k.size(); ++i) k[i] = static_cast<float>((i * 7 + p) % 23) - 11.0f;
+    for (int l = 0; l < s.layers; ++l) {
+      c->SetLayer(l);
+      const TensorView v = kv::MakeView(k.data(), DType::kF32, {s.head_dim, s.heads, b});
+      const Status st = c->Put(v, v);
+      FUZZ_CHECK(st.ok() || (!strict && st.code() == kv::Code::kInvalidArgument),
+                 "Fill: Put failed: %s", st.message());
+    }
+    if (r.OneIn(4)) (void)c->Remove(r.Int(0, s.seqs - 1), r.Int(0, 3), kv::kPosMax);
+  }
+}
+
+// Damages `bytes` as the input says; optionally repairs the total size and checksum.
+void Damage(Reader& r, std::vector<uint8_t>* bytes) {
+  const int edits = r.Int(0, 4);
+  for (int e = 0; e < edits && !bytes->empty(); ++e) {
+    const uint8_t how = r.U8() % 6;
+    const size_t at = r.U16() % bytes->size();
+    if (how <= 1) {
+      (*bytes)[at] ^= static_cast<uint8_t>(1u << (r.U8() % 8));
+    } else if (how == 2 && at + 4 <= bytes->size()) {  // an integer field set to an extreme
+      const uint32_t vals[] = {0, 1, 0xFFFFFFFFu, 0x7FFFFFFFu, 0x80000000u, 64, 65};
+      const uint32_t v = r.Pick(vals);
+      std::memcpy(bytes->data() + at, &v, 4);
+    } else if (how == 3) {
+      bytes->resize(at);
+    } else if (how == 4) {
+      bytes->insert(bytes->begin() + static_cast<long>(at), r.Int(1, 40), r.U8());
+    } else {
+      (*bytes)[at] = r.U8();
+    }
+  }
+  if (r.OneIn(2) && bytes->size() >= 28) {
+    const uint64_t total = bytes->size();
+    std::memcpy(bytes->data() + 16, &total, 8);
+    const uint32_t crc = kv::Crc32c(0, bytes->data(), bytes->size() - 4);
+    std::memcpy(bytes->data() + bytes->size() - 4, &crc, 4);
+  }
+}
+
+void FuzzCausal(Reader& r, bool wrapper) {
+  Shape s;
+  s.family = r.U8() % 4;
+  s.window = r.Int(1, 6);
+  s.memory = r.Int(0, 8);
+  s.chunk = r.Int(1, 5);
+  s.dtype = r.Pick(kDtypes);
+  s.seqs = r.Int(1, 3);
+  s.capacity = r.Int(1, 24);
+  s.batch = r.Int(1, 6);
+  s.padding = r.OneIn(4) ? 4 : 1;
+  s.head_dim = kv::IsQuantized(s.dtype) ? 32 : r.Int(1, 8);
+  s.heads = r.Int(1, 2);
+  s.layers = r.Int(1, 2);
+  const int seq = r.OneIn(3) ? r.Int(0, s.seqs - 1) : -1;
+  const int dst = seq < 0 ? -1 : r.Int(-1, s.seqs - 1);
+
+  auto make = [&]() -> std::unique_ptr<kv::Cache> {
+    if (!wrapper) return MakeCausal(s);
+    std::vector<std::unique_ptr<kv::Cache>> children;
+    Shape swa = s;
+    swa.family = 1;
+    children.push_back(MakeCausal(swa));
+    Shape causal = s;
+    causal.family = 0;
+    children.push_back(MakeCausal(causal));
+    return kv::NewWrapperCache(std::move(children));
+  };
+  auto save = [&](const kv::Cache& c, std::vector<uint8_t>* out, int which) {
+    return wrapper ? kv::SaveCache(static_cast<const kv::WrapperCache&>(c), out, which)
+                   : kv::SaveCache(c, out, which);
+  };
+  auto load = [&](std::span<const uint8_t> b, kv::Cache* c, int which) {
+    return wrapper ? kv::LoadCache(b, static_cast<kv::WrapperCache*>(c), which)
+                   : kv::LoadCache(b, c, which);
+  };
+  auto consistent = [&](kv::Cache* c) {
+    if (wrapper) {
+      auto* w = static_cast<kv::WrapperCache*>(c);
+      for (int i = 0; i < w->NumChildren(); ++i) {
+        const Status st = static_cast<kv::CausalCache*>(w->Child(i))->CheckConsistency();
+        FUZZ_CHECK(st.ok(), "child %d: %s", i, st.message());
+      }
+    } else {
+      const Status st = static_cast<kv::CausalCache*>(c)->CheckConsistency();
+      FUZZ_CHECK(st.ok(), "%s", st.message());
+    }
+  };
+
+  auto src = make();
+  if (!InitCache(src.get(), s).ok()) return;
+  Fill(src.get(), s, r, r.Int(0, 6));
+  std::vector<uint8_t> stream;
+  if (!save(*src, &stream, seq).ok()) return;
+  const std::vector<uint8_t> pristine = stream;
+  if (r.OneIn(8)) {  // raw input bytes after a valid header
+    stream.resize(std::min<size_t>(stream.size(), 24));
+    while (!r.empty() && stream.size() < 4096) stream.push_back(r.U8());
+  }
+  Damage(r, &stream);
+
+  // Target: the same shape (sometimes a different dtype or sequence count), maybe holding tokens.
+  Shape ts = s;
+  if (r.OneIn(8)) ts.dtype = r.Pick(kDtypes), ts.head_dim = 32;
+  if (r.OneIn(8)) ts.seqs = r.Int(1, 3);
+  auto target = make();
+  if (!InitCache(target.get(), ts).ok()) return;
+  if (wrapper) {
+    // A failed wrapper load restores earlier children but keeps storage they allocated (zeroed,
+    // documented in core/persistence.h): allocate every layer up front so that "unchanged" is
+    // byte-exact.
+    auto* w = static_cast<kv::WrapperCache*>(target.get());
+    for (int i = 0; i < w->NumChildren(); ++i) {
+      (void)static_cast<kv::CausalCache*>(w->Child(i))
+          ->ReserveLayers(std::max(s.layers, ts.layers), ts.head_dim, ts.head_dim, ts.heads);
+    }
+  }
+  const int target_passes = r.Int(0, 3);
+  Fill(target.get(), ts, r, target_passes);
+  std::vector<uint8_t> before;
+  FUZZ_CHECK(save(*target, &before, -1).ok(), "SaveCache(target) failed");
+  const Status st = load(stream, target.get(), seq < 0 ? -1 : dst);
+  consistent(target.get());
+  std::vector<uint8_t> after;
+  FUZZ_CHECK(save(*target, &after, -1).ok(), "SaveCache(target) after load failed");
+  if (!st.ok()) {
+    FUZZ_CHECK(before == after, "failing LoadCache (%s: %s) changed the target",
+               kv::CodeName(st.code()), st.message());
+    return;
+  }
+  // (Layers the target held but the stream lacks stay allocated, zeroed: compare fresh targets.)
+  if (stream == pristine && seq < 0 && ts.dtype == s.dtype && ts.seqs == s.seqs && !wrapper &&
+      target_passes == 0) {
+    FUZZ_CHECK(after == pristine, "whole-cache stream does not load back to itself");
+  }
+  // The loaded cache must keep working.
+  Fill(target.get(), ts, r, 2, /*strict=*/false);
+  consistent(target.get());
+}
+
+void FuzzSequence(Reader& r) {
+  const DType dtype = r.Pick(kDtypes);
+  const int max_size = r.OneIn(3) ? 0 : r.Int(1, 9);
+  const int keep = max_size ? r.Int(0, max_size - 1) : 0;
+  auto make = [&]() {
+    return max_size ? kv::NewRotatingKVCache(max_size, keep, dtype) : kv::NewKVCache(dtype);
+  };
+  auto fill = [&](kv::SequenceCache* c, int updates) {
+    const int d = kv::IsQuantized(dtype) ? 32 : 4;
+    for (int u = 0; u < updates; ++u) {
+      const int n = r.Int(1, 6);
+      std::vector<float> k(static_cast<size_t>(d) * n * 2);
+      for (size_t i = 0; i < k.size(); ++i) k[i] = static_cast<float>((i * 5 + u) % 17) - 8.0f;
+      const TensorView v = kv::MakeView(k.data(), DType::kF32, {d, n, 2, 1});
+      TensorView ko, vo;
+      FUZZ_CHECK(c->Update(v, v, n, &ko, &vo).ok(), "Update failed");
+    }
+  };
+  auto src = make();
+  fill(src.get(), r.Int(0, 5));
+  std::vector<uint8_t> stream;
+  FUZZ_CHECK(kv::SaveSequenceCache(*src, &stream).ok(), "SaveSequenceCache failed");
+  const std::vector<uint8_t> pristine = stream;
+  Damage(r, &stream);
+  auto target = make();
+  fill(target.get(), r.Int(0, 3));
+  std::vector<uint8_t> before, after;
+  FUZZ_CHECK(kv::SaveSequenceCache(*target, &before).ok(), "save target");
+  const Status st = kv::LoadSequenceCache(stream, target.get());
+  FUZZ_CHECK(kv::SaveSequenceCache(*target, &after).ok(), "save target after load");
+  if (!st.ok()) {
+    FUZZ_CHECK(before == after, "failing LoadSequenceCache (%s) changed the target", st.message());
+    return;
+  }
+  if (stream == pristine) FUZZ_CHECK(after == pristine, "sequence stream does not round-trip");
+  fill(target.get(), 2);
+}
+
+}  // namespace
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  Reader r(data, size);
+  kvfuzz::UseTarget(r.U8());
+  switch (r.U8() % 3) {
+    case 0:
+      FuzzCausal(r, false);
+      break;
+    case 1:
+      FuzzCausal(r, true);
+      break;
+    default:
+      FuzzSequence(r);
+      break;
+  }
+  hwy::SetSupportedTargetsForTest(0);
+  return 0;
+}
