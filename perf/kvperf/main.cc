@@ -156,6 +156,14 @@ std::vector<Row> PhaseRows(const std::string& prefill_label, const std::string& 
        [](const json& j) {
          return Pct(D(j, {"decode", "attend_share"}));
        }},
+      // Shared cells serve every sequence's query rows: the flops per byte read rise with sharing.
+      {"  decode attention GFLOP/s (flop per K+V byte)",
+       [](const json& j) {
+         return Fmt("%.1f", D(j, {"decode", "attention_gflop_per_s"})) + " (" +
+                Fmt("%.1f", D(j, {"decode", "attention_gflop"}) * 1e9 /
+                                D(j, {"decode", "attention_bytes"})) +
+                ")";
+       }},
       {"decode attention read (K+V bytes / Attend time)",
        [](const json& j) {
          return Gbs(D(j, {"decode", "attention_bytes_per_s"}));
