@@ -29,6 +29,19 @@ TEST(FuzzRegressions, Q8_0BlockWithTinyMaximumKeepsItsCodes) {
   for (int j : {1, 2, 31}) EXPECT_EQ(b.qs[j], 0);
 }
 
+// Same cause in q4_0 (fuzz_kernels, RopeShiftRef re-quantizing a q4_0 row): d = m / -8 is
+// subnormal, id = 1 / d overflows, and the codes of the zero elements come from 0 * inf = NaN.
+// q = min(15, trunc(x / d + 8.5)) gives 8 for a zero element and 0 for the maximum itself.
+TEST(FuzzRegressions, Q4_0BlockWithTinyMaximumKeepsItsCodes) {
+  float x[32] = {};
+  x[0] = 1e-38f;
+  BlockQ4_0 b;
+  QuantizeBlockQ4_0(x, &b);
+  EXPECT_EQ(b.qs[0] & 0xF, 0);  // element 0: trunc(-8 + 8.5)
+  EXPECT_EQ(b.qs[1] & 0xF, 8);  // element 1: trunc(0 + 8.5)
+  EXPECT_EQ(b.qs[0] >> 4, 8);   // element 16
+}
+
 // The same block through the dispatched conversion: bit-exact with the reference is the contract.
 TEST(FuzzRegressions, Q8_0TinyBlockConvertMatchesReference) {
   std::vector<float> x(64, 0.0f);
