@@ -272,6 +272,32 @@ void BM_Decode(benchmark::State& state) {
   state.SetLabel(q8 ? "q8_0" : "f16");
 }
 
+// q8_0 against f16 with the calls alternating, so that both see the same machine: the ratio of
+// the best calls is the per-call speedup. Args: D, L, threads.
+void BM_DecodeQ8VsF16Interleaved(benchmark::State& state) {
+  const int D = static_cast<int>(state.range(0));
+  const int L = static_cast<int>(state.range(1));
+  const int threads = static_cast<int>(state.range(2));
+  Setup f16 = MakeSetup(kv::DType::kF16, D, 8, 4, L, 1, true);
+  Setup q8 = MakeSetup(kv::DType::kQ8_0, D, 8, 4, L, 1, true);
+  kv::ThreadPool pool(threads);
+  kv::AttentionParams p;
+  (void)kv::Attend(f16.qv, f16.hist, p, &f16.ov, &pool);
+  (void)kv::Attend(q8.qv, q8.hist, p, &q8.ov, &pool);
+  double best_f16 = 1e30, best_q8 = 1e30;
+  for (auto _ : state) {
+    auto t0 = Clock::now();
+    (void)kv::Attend(f16.qv, f16.hist, p, &f16.ov, &pool);
+    best_f16 = std::min(best_f16, Seconds(t0, Clock::now()));
+    t0 = Clock::now();
+    (void)kv::Attend(q8.qv, q8.hist, p, &q8.ov, &pool);
+    best_q8 = std::min(best_q8, Seconds(t0, Clock::now()));
+  }
+  state.counters["f16_us"] = best_f16 * 1e6;
+  state.counters["q8_us"] = best_q8 * 1e6;
+  state.counters["q8_vs_f16"] = best_f16 / best_q8;
+}
+
 // Args: threads.
 void BM_Prefill(benchmark::State& state) {
   const int threads = static_cast<int>(state.range(0));
@@ -369,6 +395,14 @@ void DecodeArgs(benchmark::internal::Benchmark* b) {
 }
 
 BENCHMARK(BM_Decode)->Apply(DecodeArgs)->Unit(benchmark::kMicrosecond)->MinTime(1.0)->UseRealTime();
+BENCHMARK(BM_DecodeQ8VsF16Interleaved)
+    ->Args({64, 32768, 1})
+    ->Args({128, 32768, 1})
+    ->Args({64, 32768, 2})
+    ->Args({128, 32768, 2})
+    ->Unit(benchmark::kMicrosecond)
+    ->MinTime(2.0)
+    ->UseRealTime();
 BENCHMARK(BM_Prefill)->Arg(1)->Arg(2)->Unit(benchmark::kMillisecond)->Iterations(3)->UseRealTime();
 BENCHMARK(BM_DecodeSideBySide)
     ->DenseRange(0, 4)
