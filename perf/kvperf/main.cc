@@ -207,7 +207,7 @@ void PrintDefault(const std::vector<json>& rs) {
        [](const json& j) { return Bytes(D(j, {"cache_bytes_in_use"})); }},
       {"bytes saved by sharing the system prompt",
        [](const json& j) { return Bytes(D(j, {"bytes_saved_by_sharing"})); }},
-      {"CopyPrefix x3: bytes copied, time",
+      {"CopyPrefix to the other sequences: bytes copied, time",
        [](const json& j) {
          return Bytes(D(j, {"copy_prefix_bytes_allocated"})) + ", " +
                 Fmt("%.0f us", D(j, {"copy_prefix_seconds"}) * 1e6);
