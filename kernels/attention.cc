@@ -144,14 +144,14 @@ HWY_INLINE VF LoadCodes(DF df, const void* row, int64_t i) {
   const int64_t blk = i / 32;
   const int64_t w = i % 32;
   if constexpr (T == DType::kQ8_0) {
-    const auto* b = static_cast<const BlockQ8_0*>(row) + blk;
+    const char* b = static_cast<const char*>(row) + blk * sizeof(BlockQ8_0);
     const hn::Rebind<int8_t, DF> d8;
-    return hn::ConvertTo(df, hn::PromoteTo(di, hn::LoadU(d8, b->qs + w)));
+    return hn::ConvertTo(df, hn::PromoteTo(di, hn::LoadU(d8, Q8Codes(b) + w)));
   } else {
-    const auto* b = static_cast<const BlockQ4_0*>(row) + blk;
+    const char* b = static_cast<const char*>(row) + blk * sizeof(BlockQ4_0);
     const hn::Rebind<uint8_t, DF> du8;
     const hn::Rebind<uint32_t, DF> du;
-    const auto bytes = hn::PromoteTo(du, hn::LoadU(du8, b->qs + (w & 15)));
+    const auto bytes = hn::PromoteTo(du, hn::LoadU(du8, Q4Codes(b) + (w & 15)));
     const auto nib = w < 16 ? hn::And(bytes, hn::Set(du, 15u)) : hn::ShiftRight<4>(bytes);
     return hn::ConvertTo(df, hn::Sub(hn::BitCast(di, nib), hn::Set(di, 8)));
   }

@@ -10,8 +10,9 @@
 //   uses the integer expansion F16ToF32Soft (exact: subnormals are mant * 2^-24).
 // - bf16: round to nearest even with integer ops (Highway 1.0.3's DemoteTo truncates).
 // - q8_0 / q4_0: the same f32 operations as layouts/quant.h in the same order. The product x * id
-//   goes through Opaque() so that the compiler cannot contract it with the following add/sub into
-//   an FMA (GCC contracts intrinsics on FMA targets even in ISO mode), which would change codes.
+//   goes through KeepRounded() (kernels/fp_barrier-inl.h) so that the compiler cannot contract it
+//   with the following add/sub into an FMA (GCC contracts intrinsics on FMA targets even in ISO
+//   mode), which would change codes.
 //
 // Memory traffic: ConvertRow reads n * src_size bytes and writes RowBytes(dst, n); nothing else.
 // No heap allocation: strided sources and row tails go through small stack buffers.
@@ -22,6 +23,7 @@
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
 #include "hwy/highway.h"
 #include "kernels/convert.h"
+#include "kernels/fp_barrier-inl.h"
 #include "layouts/quant.h"
 
 HWY_BEFORE_NAMESPACE();
@@ -33,17 +35,6 @@ using DF = hn::CappedTag<float, 32>;  // q8_0/q4_0 blocks are 32 floats: never w
 using DU32 = hn::RebindToUnsigned<DF>;
 using DI32 = hn::RebindToSigned<DF>;
 using DU16 = hn::Rebind<uint16_t, DF>;
-
-// Hides v from the optimizer so that a multiply is not fused with a later add (see file comment).
-template <class V>
-HWY_INLINE V Opaque(V v) {
-#if HWY_ARCH_X86 && HWY_TARGET != HWY_SCALAR
-  asm("" : "+v"(v.raw));
-#else
-  asm("" : "+m"(v));
-#endif
-  return v;
-}
 
 // ---- f16 / bf16 lane conversions -----------------------------------------------------------
 
@@ -260,13 +251,24 @@ HWY_INLINE void BlockScales(const float* num, float divisor, int64_t count, floa
   }
 }
 
+// A block whose scale is subnormal (1/d overflows; layouts/quant.h) goes through the reference on
+// an f32 copy: rare, and identical to the reference by construction.
+template <class S, class Quantize>
+HWY_NOINLINE void QuantizeBlockViaReference(const typename S::T* src, void* block,
+                                            Quantize quantize) {
+  const DF df;
+  HWY_ALIGN float x[32];
+  for (size_t k = 0; k < 32; k += hn::Lanes(df)) hn::Store(S::Load(src + k), df, x + k);
+  quantize(x, block);
+}
+
 template <class S>
 void Q8Row(const void* src_v, void* dst_v, int64_t n) {
   const DF df;
   const hn::Rebind<int8_t, DF> d8;
   const size_t N = hn::Lanes(df);
   const auto* src = static_cast<const typename S::T*>(src_v);
-  auto* out = static_cast<BlockQ8_0*>(dst_v);
+  auto* out = static_cast<char*>(dst_v);
   HWY_ALIGN float amax[kScaleGroup + HWY_MAX_BYTES / sizeof(float)];
   HWY_ALIGN float id[kScaleGroup + HWY_MAX_BYTES / sizeof(float)];
   HWY_ALIGN uint16_t dh[kScaleGroup + HWY_MAX_BYTES / sizeof(float)];
@@ -277,12 +279,16 @@ void Q8Row(const void* src_v, void* dst_v, int64_t n) {
     for (size_t b = static_cast<size_t>(count); b < static_cast<size_t>(count) + N; ++b)
       amax[b] = 0.0f;
     BlockScales(amax, 127.0f, count, id, dh);
-    for (int64_t b = 0; b < count; ++b, src += 32, ++out) {
-      std::memcpy(&out->d, &dh[b], 2);
+    for (int64_t b = 0; b < count; ++b, src += 32, out += sizeof(BlockQ8_0)) {
+      if (!std::isfinite(id[b])) {
+        QuantizeBlockViaReference<S>(src, out, &QuantizeBlockQ8_0);
+        continue;
+      }
+      SetBlockScale(out, dh[b]);
       const auto vid = hn::Set(df, id[b]);
       for (size_t k = 0; k < 32; k += N) {
-        const auto p = Opaque(hn::Mul(S::Load(src + k), vid));
-        hn::StoreU(hn::DemoteTo(d8, RoundHalfAway(p)), d8, out->qs + k);
+        const auto p = KeepRounded(hn::Mul(S::Load(src + k), vid));
+        hn::StoreU(hn::DemoteTo(d8, RoundHalfAway(p)), d8, Q8Codes(out) + k);
       }
     }
   }
@@ -323,7 +329,7 @@ void Q4Row(const void* src_v, void* dst_v, int64_t n) {
   const size_t N = hn::Lanes(df);
   const size_t NP = hn::Lanes(dp);
   const auto* src = static_cast<const typename S::T*>(src_v);
-  auto* out = static_cast<BlockQ4_0*>(dst_v);
+  auto* out = static_cast<char*>(dst_v);
   HWY_ALIGN float max[kScaleGroup + HWY_MAX_BYTES / sizeof(float)];
   HWY_ALIGN float id[kScaleGroup + HWY_MAX_BYTES / sizeof(float)];
   HWY_ALIGN uint16_t dh[kScaleGroup + HWY_MAX_BYTES / sizeof(float)];
@@ -335,19 +341,23 @@ void Q4Row(const void* src_v, void* dst_v, int64_t n) {
       max[b] = 0.0f;
     }
     BlockScales(max, -8.0f, count, id, dh);
-    for (int64_t b = 0; b < count; ++b, src += 32, ++out) {
-      std::memcpy(&out->d, &dh[b], 2);
+    for (int64_t b = 0; b < count; ++b, src += 32, out += sizeof(BlockQ4_0)) {
+      if (!std::isfinite(id[b])) {
+        QuantizeBlockViaReference<S>(src, out, &QuantizeBlockQ4_0);
+        continue;
+      }
+      SetBlockScale(out, dh[b]);
       const auto vid = hn::Set(df, id[b]);
       HWY_ALIGN uint8_t q[32];
       for (size_t k = 0; k < 32; k += N) {
-        const auto p = Opaque(hn::Mul(S::Load(src + k), vid));
+        const auto p = KeepRounded(hn::Mul(S::Load(src + k), vid));
         const auto qi = hn::Min(hn::ConvertTo(di, hn::Add(p, hn::Set(df, 8.5f))), hn::Set(di, 15));
         hn::StoreU(hn::DemoteTo(d8, qi), d8, q + k);
       }
       for (size_t j = 0; j < 16; j += NP) {
         const auto lo = hn::LoadU(dp, q + j);
         const auto hi = hn::LoadU(dp, q + 16 + j);
-        hn::StoreU(hn::Or(lo, hn::ShiftLeft<4>(hi)), dp, out->qs + j);
+        hn::StoreU(hn::Or(lo, hn::ShiftLeft<4>(hi)), dp, Q4Codes(out) + j);
       }
     }
   }
@@ -402,13 +412,11 @@ void DequantQ8Row(const void* src, float* dst, int64_t n) {
   const DI32 di;
   const hn::Rebind<int8_t, DF> d8;
   const size_t N = hn::Lanes(df);
-  const auto* in = static_cast<const BlockQ8_0*>(src);
-  for (int64_t b = 0; b < n / 32; ++b, ++in, dst += 32) {
-    uint16_t dh;
-    std::memcpy(&dh, &in->d, 2);
-    const auto vd = hn::Set(df, F16ToF32(dh));
+  const auto* in = static_cast<const char*>(src);
+  for (int64_t b = 0; b < n / 32; ++b, in += sizeof(BlockQ8_0), dst += 32) {
+    const auto vd = hn::Set(df, F16ToF32(BlockScale(in)));
     for (size_t k = 0; k < 32; k += N) {
-      const auto q = hn::PromoteTo(di, hn::LoadU(d8, in->qs + k));
+      const auto q = hn::PromoteTo(di, hn::LoadU(d8, Q8Codes(in) + k));
       hn::StoreU(hn::Mul(vd, hn::ConvertTo(df, q)), df, dst + k);
     }
   }
@@ -419,15 +427,13 @@ void DequantQ4Row(const void* src, float* dst, int64_t n) {
   const hn::RebindToSigned<decltype(df)> di;
   const hn::Rebind<uint8_t, decltype(df)> d8;
   const size_t N = hn::Lanes(df);
-  const auto* in = static_cast<const BlockQ4_0*>(src);
-  for (int64_t b = 0; b < n / 32; ++b, ++in, dst += 32) {
-    uint16_t dh;
-    std::memcpy(&dh, &in->d, 2);
-    const auto vd = hn::Set(df, F16ToF32(dh));
+  const auto* in = static_cast<const char*>(src);
+  for (int64_t b = 0; b < n / 32; ++b, in += sizeof(BlockQ4_0), dst += 32) {
+    const auto vd = hn::Set(df, F16ToF32(BlockScale(in)));
     const auto k8 = hn::Set(di, 8);
     for (size_t j = 0; j < 16; j += N) {
       const auto bytes = hn::BitCast(
-          di, hn::PromoteTo(hn::RebindToUnsigned<decltype(di)>(), hn::LoadU(d8, in->qs + j)));
+          di, hn::PromoteTo(hn::RebindToUnsigned<decltype(di)>(), hn::LoadU(d8, Q4Codes(in) + j)));
       const auto lo = hn::Sub(hn::And(bytes, hn::Set(di, 0x0F)), k8);
       const auto hi = hn::Sub(hn::ShiftRight<4>(bytes), k8);
       hn::StoreU(hn::Mul(vd, hn::ConvertTo(df, lo)), df, dst + j);

@@ -30,6 +30,7 @@
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
 #include "hwy/highway.h"
 #include "kernels/convert.h"
+#include "kernels/fp_barrier-inl.h"
 #include "layouts/dtype.h"
 
 HWY_BEFORE_NAMESPACE();
@@ -48,33 +49,7 @@ constexpr int64_t kStackDims = 512;
 #define KV_ROPE_NATIVE_F16 0
 #endif
 
-// Keeps a product rounded to f32 before it is added: an empty asm that "modifies" the register, so
-// the compiler cannot fuse Mul + Add/Sub into an FMA (GCC's C++ default is -ffp-contract=fast, and
-// on FMA targets it fuses even Highway's separate Mul and Add, or vectorizes the scalar tail into
-// vfmaddsub). Only x86 targets with FMA need it; SSE4 and SCALAR have no FMA instructions.
-#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX2 && (defined(__GNUC__) || defined(__clang__))
-#if HWY_TARGET <= HWY_AVX3
-#define KV_ROPE_REG "+v"
-#else
-#define KV_ROPE_REG "+x"
-#endif
-template <class V>
-HWY_INLINE V Rounded(V v) {
-  asm("" : KV_ROPE_REG(v.raw));
-  return v;
-}
-HWY_INLINE float RoundedF(float f) {
-  asm("" : KV_ROPE_REG(f));
-  return f;
-}
-#undef KV_ROPE_REG
-#else
-template <class V>
-HWY_INLINE V Rounded(V v) {
-  return v;
-}
-HWY_INLINE float RoundedF(float f) { return f; }
-#endif
+// Products go through KeepRounded (kernels/fp_barrier-inl.h) so they are not fused into FMAs.
 
 // Element access for one storage type: vector load/store of N elements as f32, scalar get/put.
 struct F32Io {
@@ -101,7 +76,7 @@ struct BF16Io {
   }
   // Round to nearest even as F32ToBF16 (Highway 1.0.3's DemoteTo truncates); NaN stays quiet NaN.
   template <class D>
-  static HWY_INLINE void Store(D d, hn::Vec<D> v, T* p) {
+  static HWY_INLINE void Store(D /* d */, hn::Vec<D> v, T* p) {
     const hn::RebindToUnsigned<D> du;
     const hn::RebindToSigned<D> di;
     const hn::Rebind<uint16_t, D> du16;
@@ -148,8 +123,8 @@ HWY_INLINE void RotateNormal(typename Io::T* HWY_RESTRICT row, const float* HWY_
   const int64_t N = static_cast<int64_t>(hn::Lanes(d));  // even, so vectors hold whole pairs
   for (; j + N <= dims; j += N) {
     const auto x = Io::Load(d, row + j);
-    const auto r = hn::Add(Rounded(hn::Mul(x, hn::LoadU(d, C + j))),
-                           Rounded(hn::Mul(hn::Shuffle2301(x), hn::LoadU(d, S + j))));
+    const auto r = hn::Add(KeepRounded(hn::Mul(x, hn::LoadU(d, C + j))),
+                           KeepRounded(hn::Mul(hn::Shuffle2301(x), hn::LoadU(d, S + j))));
     Io::Store(d, r, row + j);
   }
 #endif
@@ -158,8 +133,8 @@ HWY_INLINE void RotateNormal(typename Io::T* HWY_RESTRICT row, const float* HWY_
     const float x1 = Io::Get(row, j + 1);
     const float c = C[j];
     const float s = S[j + 1];
-    Io::Put(row, j, RoundedF(x0 * c) - RoundedF(x1 * s));
-    Io::Put(row, j + 1, RoundedF(x0 * s) + RoundedF(x1 * c));
+    Io::Put(row, j, KeepRoundedScalar(x0 * c) - KeepRoundedScalar(x1 * s));
+    Io::Put(row, j + 1, KeepRoundedScalar(x0 * s) + KeepRoundedScalar(x1 * c));
   }
 }
 
@@ -177,15 +152,15 @@ HWY_INLINE void RotateNeox(typename Io::T* HWY_RESTRICT row, const float* HWY_RE
     const auto x1 = Io::Load(d, hi + k);
     const auto c = hn::LoadU(d, C + k);
     const auto s = hn::LoadU(d, S + k);
-    Io::Store(d, hn::Sub(Rounded(hn::Mul(x0, c)), Rounded(hn::Mul(x1, s))), row + k);
-    Io::Store(d, hn::Add(Rounded(hn::Mul(x0, s)), Rounded(hn::Mul(x1, c))), hi + k);
+    Io::Store(d, hn::Sub(KeepRounded(hn::Mul(x0, c)), KeepRounded(hn::Mul(x1, s))), row + k);
+    Io::Store(d, hn::Add(KeepRounded(hn::Mul(x0, s)), KeepRounded(hn::Mul(x1, c))), hi + k);
   }
 #endif
   for (; k < half; ++k) {
     const float x0 = Io::Get(row, k);
     const float x1 = Io::Get(hi, k);
-    Io::Put(row, k, RoundedF(x0 * C[k]) - RoundedF(x1 * S[k]));
-    Io::Put(hi, k, RoundedF(x0 * S[k]) + RoundedF(x1 * C[k]));
+    Io::Put(row, k, KeepRoundedScalar(x0 * C[k]) - KeepRoundedScalar(x1 * S[k]));
+    Io::Put(hi, k, KeepRoundedScalar(x0 * S[k]) + KeepRoundedScalar(x1 * C[k]));
   }
 }
 

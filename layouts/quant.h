@@ -14,11 +14,15 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 
 #include "layouts/dtype.h"
 
 namespace kv {
 
+// The block layouts, for documentation and sizes. Code addresses blocks as bytes through the
+// accessors below: a block may start at any address (rows of 34-byte blocks inside a caller's
+// buffer), and reading a struct member through a misaligned pointer is undefined behaviour.
 struct BlockQ8_0 {
   uint16_t d;     // f16 scale
   int8_t qs[32];  // codes
@@ -29,23 +33,55 @@ struct BlockQ4_0 {
 };
 static_assert(sizeof(BlockQ8_0) == 34, "q8_0 block is 34 bytes");
 static_assert(sizeof(BlockQ4_0) == 18, "q4_0 block is 18 bytes");
+inline constexpr size_t kQuantScaleBytes = 2;  // the f16 scale leads every block
 
-// Quantizes 32 floats into one block.
-inline void QuantizeBlockQ8_0(const float* x, BlockQ8_0* out) {
+inline uint16_t BlockScale(const void* block) {
+  uint16_t d;
+  std::memcpy(&d, block, kQuantScaleBytes);
+  return d;
+}
+inline void SetBlockScale(void* block, uint16_t d) { std::memcpy(block, &d, kQuantScaleBytes); }
+inline const int8_t* Q8Codes(const void* block) {
+  return reinterpret_cast<const int8_t*>(static_cast<const unsigned char*>(block) +
+                                         kQuantScaleBytes);
+}
+inline int8_t* Q8Codes(void* block) {
+  return reinterpret_cast<int8_t*>(static_cast<unsigned char*>(block) + kQuantScaleBytes);
+}
+inline const uint8_t* Q4Codes(const void* block) {
+  return static_cast<const uint8_t*>(block) + kQuantScaleBytes;
+}
+inline uint8_t* Q4Codes(void* block) { return static_cast<uint8_t*>(block) + kQuantScaleBytes; }
+
+// 1/d for a block scale d, and whether x * (1/d) may be used. llama.cpp multiplies by 1/d; when d
+// is subnormal (block maximum below ~3.7e-37 for q8_0) 1/d overflows to inf and its int8 cast of
+// inf or NaN is undefined behaviour. There, and only there, we divide by d instead: x / d is exact
+// within [-127, 127] (q8_0) or [-8, 8] (q4_0), and the stored f16 scale is 0 either way.
+inline bool ScaleInverseIsFinite(float d, float* id) {
+  *id = d != 0.0f ? 1.0f / d : 0.0f;
+  return std::isfinite(*id);
+}
+
+// Quantizes 32 floats into one block. Non-finite input is not supported (as in llama.cpp).
+inline void QuantizeBlockQ8_0(const float* x, void* block) {
   float amax = 0.0f;
   for (int j = 0; j < 32; ++j) amax = std::fmax(amax, std::fabs(x[j]));
   const float d = amax / 127.0f;
-  const float id = d != 0.0f ? 1.0f / d : 0.0f;
-  out->d = F32ToF16(d);
-  for (int j = 0; j < 32; ++j) out->qs[j] = static_cast<int8_t>(std::roundf(x[j] * id));
+  float id;
+  const bool multiply = ScaleInverseIsFinite(d, &id);
+  SetBlockScale(block, F32ToF16(d));
+  int8_t* qs = Q8Codes(block);
+  for (int j = 0; j < 32; ++j)
+    qs[j] = static_cast<int8_t>(std::roundf(multiply ? x[j] * id : x[j] / d));
 }
 
-inline void DequantizeBlockQ8_0(const BlockQ8_0* b, float* out) {
-  const float d = F16ToF32(b->d);
-  for (int j = 0; j < 32; ++j) out[j] = d * static_cast<float>(b->qs[j]);
+inline void DequantizeBlockQ8_0(const void* block, float* out) {
+  const float d = F16ToF32(BlockScale(block));
+  const int8_t* qs = Q8Codes(block);
+  for (int j = 0; j < 32; ++j) out[j] = d * static_cast<float>(qs[j]);
 }
 
-inline void QuantizeBlockQ4_0(const float* x, BlockQ4_0* out) {
+inline void QuantizeBlockQ4_0(const float* x, void* block) {
   float amax = 0.0f;
   float max = 0.0f;
   for (int j = 0; j < 32; ++j) {
@@ -55,22 +91,25 @@ inline void QuantizeBlockQ4_0(const float* x, BlockQ4_0* out) {
     }
   }
   const float d = max / -8.0f;
-  const float id = d != 0.0f ? 1.0f / d : 0.0f;
-  out->d = F32ToF16(d);
+  float id;
+  const bool multiply = ScaleInverseIsFinite(d, &id);
+  SetBlockScale(block, F32ToF16(d));
+  uint8_t* qs = Q4Codes(block);
   for (int j = 0; j < 16; ++j) {
-    const float x0 = x[j] * id;
-    const float x1 = x[16 + j] * id;
+    const float x0 = multiply ? x[j] * id : x[j] / d;
+    const float x1 = multiply ? x[16 + j] * id : x[16 + j] / d;
     const int q0 = static_cast<int8_t>(x0 + 8.5f) < 15 ? static_cast<int8_t>(x0 + 8.5f) : 15;
     const int q1 = static_cast<int8_t>(x1 + 8.5f) < 15 ? static_cast<int8_t>(x1 + 8.5f) : 15;
-    out->qs[j] = static_cast<uint8_t>(q0 | (q1 << 4));
+    qs[j] = static_cast<uint8_t>(q0 | (q1 << 4));
   }
 }
 
-inline void DequantizeBlockQ4_0(const BlockQ4_0* b, float* out) {
-  const float d = F16ToF32(b->d);
+inline void DequantizeBlockQ4_0(const void* block, float* out) {
+  const float d = F16ToF32(BlockScale(block));
+  const uint8_t* qs = Q4Codes(block);
   for (int j = 0; j < 16; ++j) {
-    out[j] = d * static_cast<float>((b->qs[j] & 0x0F) - 8);
-    out[j + 16] = d * static_cast<float>((b->qs[j] >> 4) - 8);
+    out[j] = d * static_cast<float>((qs[j] & 0x0F) - 8);
+    out[j + 16] = d * static_cast<float>((qs[j] >> 4) - 8);
   }
 }
 
@@ -79,10 +118,10 @@ inline void DequantizeBlockQ4_0(const BlockQ4_0* b, float* out) {
 inline void StoreRowFromF32(const float* src, int64_t n, DType t, void* dst) {
   if (t == DType::kQ8_0) {
     for (int64_t b = 0; b < n / 32; ++b)
-      QuantizeBlockQ8_0(src + 32 * b, static_cast<BlockQ8_0*>(dst) + b);
+      QuantizeBlockQ8_0(src + 32 * b, static_cast<char*>(dst) + sizeof(BlockQ8_0) * b);
   } else if (t == DType::kQ4_0) {
     for (int64_t b = 0; b < n / 32; ++b)
-      QuantizeBlockQ4_0(src + 32 * b, static_cast<BlockQ4_0*>(dst) + b);
+      QuantizeBlockQ4_0(src + 32 * b, static_cast<char*>(dst) + sizeof(BlockQ4_0) * b);
   } else {
     for (int64_t i = 0; i < n; ++i) StoreFromF32(dst, t, i, src[i]);
   }
@@ -92,10 +131,10 @@ inline void StoreRowFromF32(const float* src, int64_t n, DType t, void* dst) {
 inline void LoadRowAsF32(const void* src, int64_t n, DType t, float* dst) {
   if (t == DType::kQ8_0) {
     for (int64_t b = 0; b < n / 32; ++b)
-      DequantizeBlockQ8_0(static_cast<const BlockQ8_0*>(src) + b, dst + 32 * b);
+      DequantizeBlockQ8_0(static_cast<const char*>(src) + sizeof(BlockQ8_0) * b, dst + 32 * b);
   } else if (t == DType::kQ4_0) {
     for (int64_t b = 0; b < n / 32; ++b)
-      DequantizeBlockQ4_0(static_cast<const BlockQ4_0*>(src) + b, dst + 32 * b);
+      DequantizeBlockQ4_0(static_cast<const char*>(src) + sizeof(BlockQ4_0) * b, dst + 32 * b);
   } else {
     for (int64_t i = 0; i < n; ++i) dst[i] = LoadAsF32(src, t, i);
   }

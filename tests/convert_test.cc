@@ -461,6 +461,27 @@ TEST_P(ConvertTest, ScatterToCells) {
 
 HWY_TARGET_INSTANTIATE_TEST_SUITE_P(ConvertTest);
 
+// A q4_0 block whose signed maximum is tiny: d = max / -8 is subnormal, 1 / d overflows, and the
+// reference (layouts/quant.h) divides instead of multiplying by inf (whose int8 cast is undefined).
+// Every target must agree with it. Element 0 is the maximum (-8 -> code 0); zeros get code 8.
+TEST(ConvertDegenerateScale, Q4_0BlockWithTinyMaximum) {
+  std::vector<float> x(64, 0.0f);
+  x[0] = -1e-38f;
+  x[40] = 2e-39f;
+  std::vector<uint8_t> ref(2 * sizeof(BlockQ4_0));
+  ConvertRowRef(x.data(), DType::kF32, ref.data(), DType::kQ4_0, 64);
+  const uint8_t* codes = Q4Codes(ref.data());
+  EXPECT_EQ(codes[0] & 0x0F, 0);
+  for (int j = 1; j < 16; ++j) EXPECT_EQ(codes[j], 0x88) << j;
+  for (int64_t target : hwy::SupportedAndGeneratedTargets()) {
+    hwy::SetSupportedTargetsForTest(target);
+    std::vector<uint8_t> got(ref.size());
+    ConvertRow(x.data(), DType::kF32, got.data(), DType::kQ4_0, 64);
+    EXPECT_EQ(got, ref) << hwy::TargetName(target);
+  }
+  hwy::SetSupportedTargetsForTest(0);
+}
+
 TEST(ConvertTargetsTest, SeveralTargetsCompiled) {
   const std::vector<int64_t> targets = hwy::SupportedAndGeneratedTargets();
   std::string names;
