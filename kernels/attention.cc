@@ -55,12 +55,18 @@ struct Ctx {
 inline int64_t PartialStride(const Ctx& c) { return c.Dvp + kRowPad; }
 
 // One 64-byte-aligned float buffer per thread, grown to the largest size asked for.
+// Per-thread scratch that only grows. Growth is geometric with a 256 KiB floor: the visible-span
+// table needs B * (L / 2 + 1) entries, so growing to the exact size reallocated on every other
+// decode step as the history lengthened. With the floor a single decoding sequence never
+// reallocates below ~128K cells, and beyond that it reallocates O(log L) times.
 inline float* ThreadScratch(size_t floats, int which) {
+  constexpr size_t kMinFloats = size_t{1} << 16;
   thread_local hwy::AlignedFreeUniquePtr<float[]> buf[2];
   thread_local size_t cap[2] = {0, 0};
   if (cap[which] < floats) {
-    buf[which] = hwy::AllocateAligned<float>(floats);
-    cap[which] = floats;
+    const size_t grown = std::max({floats, 2 * cap[which], kMinFloats});
+    buf[which] = hwy::AllocateAligned<float>(grown);
+    cap[which] = grown;
   }
   return buf[which].get();
 }

@@ -213,12 +213,16 @@ void F32Copy(const void* src, void* dst, int64_t n) {
 }
 
 // Largest |x| of the 32 elements at src.
+// NaN lanes as 0: the reference's fmax and `<` skip NaN, while x86 max/min propagate it
+// depending on operand order. Only non-finite input reaches this (layouts/quant.h SafeScaled).
+HWY_INLINE hn::Vec<DF> WithoutNaN(hn::Vec<DF> v) { return hn::IfThenElseZero(hn::Eq(v, v), v); }
+
 template <class S>
 HWY_INLINE float BlockAmax(const typename S::T* src) {
   const DF df;
   const size_t N = hn::Lanes(df);
   auto vmax = hn::Zero(df);
-  for (size_t k = 0; k < 32; k += N) vmax = hn::Max(vmax, hn::Abs(S::Load(src + k)));
+  for (size_t k = 0; k < 32; k += N) vmax = hn::Max(vmax, hn::Abs(WithoutNaN(S::Load(src + k))));
   return hn::GetLane(hn::MaxOfLanes(df, vmax));
 }
 
@@ -226,6 +230,13 @@ HWY_INLINE float BlockAmax(const typename S::T* src) {
 // float just below 0.5 is exact for every tie (x.5 + 0.49999997 rounds to x + 1 under round to
 // nearest even) and never carries 0.49999997 up (0.5 would); checked against std::roundf for every
 // f32 in [0, 2^24] (|p| <= 127 here). ConvertTo truncates.
+// layouts/quant.h SafeScaled: NaN -> 0, clamped to [lo, hi] (a no-op for finite input).
+HWY_INLINE hn::Vec<DF> SafeScaled(hn::Vec<DF> p, float lo, float hi) {
+  const DF df;
+  const auto finite_or_inf = hn::IfThenElseZero(hn::Eq(p, p), p);
+  return hn::Min(hn::Max(finite_or_inf, hn::Set(df, lo)), hn::Set(df, hi));
+}
+
 HWY_INLINE hn::Vec<DI32> RoundHalfAway(hn::Vec<DF> p) {
   const DF df;
   const auto sign = hn::And(p, hn::Set(df, -0.0f));
@@ -288,7 +299,8 @@ void Q8Row(const void* src_v, void* dst_v, int64_t n) {
       const auto vid = hn::Set(df, id[b]);
       for (size_t k = 0; k < 32; k += N) {
         const auto p = KeepRounded(hn::Mul(S::Load(src + k), vid));
-        hn::StoreU(hn::DemoteTo(d8, RoundHalfAway(p)), d8, Q8Codes(out) + k);
+        hn::StoreU(hn::DemoteTo(d8, RoundHalfAway(SafeScaled(p, -127.0f, 127.0f))), d8,
+                   Q8Codes(out) + k);
       }
     }
   }
@@ -301,10 +313,10 @@ template <class S>
 HWY_INLINE float BlockSignedMax(const typename S::T* src) {
   const DF df;
   const size_t N = hn::Lanes(df);
-  auto vmax = S::Load(src);
+  auto vmax = WithoutNaN(S::Load(src));
   auto vmin = vmax;
   for (size_t k = N; k < 32; k += N) {
-    const auto v = S::Load(src + k);
+    const auto v = WithoutNaN(S::Load(src + k));
     vmax = hn::Max(vmax, v);
     vmin = hn::Min(vmin, v);
   }
@@ -351,7 +363,9 @@ void Q4Row(const void* src_v, void* dst_v, int64_t n) {
       HWY_ALIGN uint8_t q[32];
       for (size_t k = 0; k < 32; k += N) {
         const auto p = KeepRounded(hn::Mul(S::Load(src + k), vid));
-        const auto qi = hn::Min(hn::ConvertTo(di, hn::Add(p, hn::Set(df, 8.5f))), hn::Set(di, 15));
+        const auto safe = SafeScaled(p, -8.5f, 8.0f);
+        const auto qi =
+            hn::Min(hn::ConvertTo(di, hn::Add(safe, hn::Set(df, 8.5f))), hn::Set(di, 15));
         hn::StoreU(hn::DemoteTo(d8, qi), d8, q + k);
       }
       for (size_t j = 0; j < 16; j += NP) {

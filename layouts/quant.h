@@ -62,7 +62,17 @@ inline bool ScaleInverseIsFinite(float d, float* id) {
   return std::isfinite(*id);
 }
 
-// Quantizes 32 floats into one block. Non-finite input is not supported (as in llama.cpp).
+// The scaled value x * id, made safe to convert: NaN becomes 0 and the value is clamped to [lo,
+// hi]. For finite input the products already lie within the code range (up to an ulp that rounding
+// absorbs), so this changes nothing there and blocks stay bit-exact with llama.cpp. For non-finite
+// input (NaN, inf, or a row whose f16 scale overflowed and is being re-quantized) llama.cpp's int8
+// cast is undefined behaviour; here the codes are defined: NaN -> 0, beyond the range -> the end.
+inline float SafeScaled(float p, float lo, float hi) {
+  if (!(p == p)) return 0.0f;
+  return p < lo ? lo : (p > hi ? hi : p);
+}
+
+// Quantizes 32 floats into one block.
 inline void QuantizeBlockQ8_0(const float* x, void* block) {
   float amax = 0.0f;
   for (int j = 0; j < 32; ++j) amax = std::fmax(amax, std::fabs(x[j]));
@@ -96,8 +106,8 @@ inline void QuantizeBlockQ4_0(const float* x, void* block) {
   SetBlockScale(block, F32ToF16(d));
   uint8_t* qs = Q4Codes(block);
   for (int j = 0; j < 16; ++j) {
-    const float x0 = multiply ? x[j] * id : x[j] / d;
-    const float x1 = multiply ? x[16 + j] * id : x[16 + j] / d;
+    const float x0 = SafeScaled(multiply ? x[j] * id : x[j] / d, -8.5f, 8.0f);
+    const float x1 = SafeScaled(multiply ? x[16 + j] * id : x[16 + j] / d, -8.5f, 8.0f);
     const int q0 = static_cast<int8_t>(x0 + 8.5f) < 15 ? static_cast<int8_t>(x0 + 8.5f) : 15;
     const int q1 = static_cast<int8_t>(x1 + 8.5f) < 15 ? static_cast<int8_t>(x1 + 8.5f) : 15;
     qs[j] = static_cast<uint8_t>(q0 | (q1 << 4));

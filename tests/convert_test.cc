@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <numeric>
 #include <random>
 #include <string>
@@ -480,6 +481,38 @@ TEST(ConvertDegenerateScale, Q4_0BlockWithTinyMaximum) {
     EXPECT_EQ(got, ref) << hwy::TargetName(target);
   }
   hwy::SetSupportedTargetsForTest(0);
+}
+
+// Non-finite input, and blocks whose f16 scale overflows (amax / 127 > 65504): llama.cpp's int8
+// cast is undefined there. Ours is defined (layouts/quant.h SafeScaled) and every target agrees
+// with the reference; dequantizing the result and quantizing again (what RopeShift does to such a
+// row) stays defined too. UBSan (the asan preset) fails this test without SafeScaled.
+TEST(ConvertDegenerateScale, NonFiniteAndHugeBlocksAreDefined) {
+  const float inf = std::numeric_limits<float>::infinity();
+  std::vector<float> x(128, 1.0f);
+  x[0] = std::numeric_limits<float>::quiet_NaN();  // block 0: NaN
+  x[33] = inf;                                     // block 1: +inf
+  x[40] = -inf;
+  x[64] = 1e10f;  // block 2: scale overflows f16
+  x[70] = -3e9f;
+  x[96] = 3e38f;  // block 3: near the f32 maximum
+  for (DType dt : {DType::kQ8_0, DType::kQ4_0}) {
+    std::vector<uint8_t> ref(RowBytes(dt, 128));
+    ConvertRowRef(x.data(), DType::kF32, ref.data(), dt, 128);
+    std::vector<float> back(128);
+    RowToF32Ref(ref.data(), dt, back.data(), 128);  // inf / NaN where the scale overflowed
+    std::vector<uint8_t> again_ref(ref.size());
+    ConvertRowRef(back.data(), DType::kF32, again_ref.data(), dt, 128);
+    for (int64_t target : hwy::SupportedAndGeneratedTargets()) {
+      hwy::SetSupportedTargetsForTest(target);
+      std::vector<uint8_t> got(ref.size()), again(ref.size());
+      ConvertRow(x.data(), DType::kF32, got.data(), dt, 128);
+      EXPECT_EQ(got, ref) << DTypeName(dt) << " " << hwy::TargetName(target);
+      ConvertRow(back.data(), DType::kF32, again.data(), dt, 128);
+      EXPECT_EQ(again, again_ref) << DTypeName(dt) << " " << hwy::TargetName(target);
+    }
+    hwy::SetSupportedTargetsForTest(0);
+  }
 }
 
 TEST(ConvertTargetsTest, SeveralTargetsCompiled) {
