@@ -21,6 +21,36 @@ ArenaAllocator SystemAllocator() {
   return ArenaAllocator{&SystemAllocate, &SystemRelease, nullptr};
 }
 
+OwnedBlock& OwnedBlock::operator=(OwnedBlock&& other) noexcept {
+  if (this != &other) {
+    Reset();
+    data_ = other.data_;
+    bytes_ = other.bytes_;
+    allocator_ = other.allocator_;
+    other.data_ = nullptr;
+    other.bytes_ = 0;
+  }
+  return *this;
+}
+
+Status OwnedBlock::Allocate(const ArenaAllocator& allocator, size_t bytes, OwnedBlock* out) {
+  bytes = RoundUp(bytes == 0 ? 1 : bytes, kBlockAlign);
+  void* p = allocator.allocate(bytes, allocator.ctx);
+  if (p == nullptr) return Status::Error(Code::kOutOfMemory, "cannot allocate %zu bytes", bytes);
+  std::memset(p, 0, bytes);
+  out->Reset();
+  out->data_ = p;
+  out->bytes_ = bytes;
+  out->allocator_ = allocator;
+  return Status::Ok();
+}
+
+void OwnedBlock::Reset() {
+  if (data_ != nullptr) allocator_.release(data_, allocator_.ctx);
+  data_ = nullptr;
+  bytes_ = 0;
+}
+
 Status Arena::Reserve(size_t bytes) {
   if (!regions_.empty() && !regions_.front().owned) {
     return Status::Error(Code::kInvalidArgument, "arena uses a caller buffer; cannot reserve more");

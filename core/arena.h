@@ -25,6 +25,49 @@ struct ArenaAllocator {
 // The default: std::aligned_alloc / std::free.
 ArenaAllocator SystemAllocator();
 
+// One zero-filled, 64-byte aligned allocation that remembers the allocator it came from, so it is
+// always released to the right one. Move-only. Used for the metadata a cache sizes at Init (the
+// cell table, per-batch scratch, the mask), so that injected failures reach those too.
+class OwnedBlock {
+ public:
+  OwnedBlock() = default;
+  ~OwnedBlock() { Reset(); }
+  OwnedBlock(OwnedBlock&& other) noexcept { *this = static_cast<OwnedBlock&&>(other); }
+  OwnedBlock& operator=(OwnedBlock&& other) noexcept;
+  OwnedBlock(const OwnedBlock&) = delete;
+  OwnedBlock& operator=(const OwnedBlock&) = delete;
+
+  // Replaces *out only on success; kOutOfMemory otherwise.
+  static Status Allocate(const ArenaAllocator& allocator, size_t bytes, OwnedBlock* out);
+  void* data() const { return data_; }
+  size_t bytes() const { return bytes_; }
+  void Reset();
+
+ private:
+  void* data_ = nullptr;
+  size_t bytes_ = 0;
+  ArenaAllocator allocator_;
+};
+
+// Lays typed arrays out in one block, each 64-byte aligned. Run it once with a null base to learn
+// the size, allocate, then run the same sequence of Take calls again with the block's base.
+class BlockCarver {
+ public:
+  explicit BlockCarver(void* base) : base_(static_cast<char*>(base)) {}
+  template <class T>
+  T* Take(size_t count) {
+    offset_ = (offset_ + 63) / 64 * 64;
+    T* p = base_ != nullptr ? reinterpret_cast<T*>(base_ + offset_) : nullptr;
+    offset_ += count * sizeof(T);
+    return p;
+  }
+  size_t size() const { return (offset_ + 63) / 64 * 64; }
+
+ private:
+  char* base_;
+  size_t offset_ = 0;
+};
+
 class Arena {
  public:
   Arena() : Arena(SystemAllocator()) {}
@@ -34,6 +77,7 @@ class Arena {
   Arena& operator=(const Arena&) = delete;
 
   void SetAllocator(ArenaAllocator allocator) { allocator_ = allocator; }
+  const ArenaAllocator& allocator() const { return allocator_; }
 
   // Adds an owned region of at least `bytes` that later Allocate calls carve first.
   Status Reserve(size_t bytes);

@@ -20,6 +20,45 @@
 namespace kv {
 namespace internal {
 
+namespace {
+
+// The per-pass arrays sized at Init, in one block; with a null base only `bytes` is meaningful.
+struct PassArrays {
+  int32_t* batch_pos;
+  int32_t* batch_seq;
+  uint8_t* batch_causal;
+  int32_t* batch_cells;
+  int64_t* trim_below;
+  int64_t* lowest;
+  uint8_t* seq_in_batch;
+  uint64_t* would_free;
+  int32_t* would_free_list;
+  int32_t* shift_deltas;
+  int32_t* slots;
+  size_t bytes;
+};
+
+PassArrays CarvePassArrays(void* base, size_t max_batch, size_t max_sequences, size_t cells,
+                           size_t free_words) {
+  BlockCarver c(base);
+  PassArrays a;
+  a.batch_pos = c.Take<int32_t>(max_batch);
+  a.batch_seq = c.Take<int32_t>(max_batch);
+  a.batch_causal = c.Take<uint8_t>(max_batch);
+  a.batch_cells = c.Take<int32_t>(max_batch);
+  a.trim_below = c.Take<int64_t>(max_sequences);
+  a.lowest = c.Take<int64_t>(max_sequences);
+  a.seq_in_batch = c.Take<uint8_t>(max_sequences);
+  a.would_free = c.Take<uint64_t>(free_words);
+  a.would_free_list = c.Take<int32_t>(cells);
+  a.shift_deltas = c.Take<int32_t>(max_batch);
+  a.slots = c.Take<int32_t>(max_batch);
+  a.bytes = c.size();
+  return a;
+}
+
+}  // namespace
+
 Status CausalCacheImpl::SetConfig(const CacheConfig& config) {
   if (initialized_) return Status::Error(Code::kInvalidArgument, "SetConfig must come before Init");
   if (config.padding < 1)
@@ -63,57 +102,86 @@ Status CausalCacheImpl::Init(DType dtype, int max_sequences, int capacity, int m
   if (cells > INT32_MAX / 2)
     return Status::Error(Code::kInvalidArgument, "%lld cells is too many", (long long)cells);
 
+  // Everything Init needs is allocated before anything changes (through the arena's allocator, so
+  // injected failures reach it): on kOutOfMemory the cache is exactly as it was, even re-Init.
+  const int32_t n_cells = static_cast<int32_t>(cells);
+  CellTable table;
+  KV_RETURN_IF_ERROR(table.Init(n_cells, max_sequences, arena_.allocator()));
+  const PassArrays sizes =
+      CarvePassArrays(nullptr, max_batch, max_sequences, n_cells, table.free_bits().size());
+  OwnedBlock pass;
+  KV_RETURN_IF_ERROR(OwnedBlock::Allocate(arena_.allocator(), sizes.bytes, &pass));
+  // One mask row over every cell: a decode step (B = 1) never grows the mask buffer.
+  OwnedBlock mask;
+  KV_RETURN_IF_ERROR(
+      OwnedBlock::Allocate(arena_.allocator(), static_cast<size_t>(cells) * sizeof(float), &mask));
+
+  // Commit.
   Close();
-  KV_RETURN_IF_ERROR(table_.Init(static_cast<int32_t>(cells), max_sequences));
+  table_ = static_cast<CellTable&&>(table);
+  pass_block_ = static_cast<OwnedBlock&&>(pass);
+  const PassArrays a = CarvePassArrays(pass_block_.data(), max_batch, max_sequences, n_cells,
+                                       table_.free_bits().size());
+  batch_pos_ = a.batch_pos;
+  batch_seq_ = a.batch_seq;
+  batch_causal_ = a.batch_causal;
+  batch_cells_ = a.batch_cells;
+  trim_below_ = a.trim_below;
+  lowest_ = a.lowest;
+  seq_in_batch_ = a.seq_in_batch;
+  would_free_ = a.would_free;
+  would_free_list_ = a.would_free_list;
+  shift_deltas_ = a.shift_deltas;
+  slots_ = a.slots;
+  mask_block_ = static_cast<OwnedBlock&&>(mask);
+  mask_capacity_ = static_cast<size_t>(cells);
   dtype_ = dtype;
   max_sequences_ = max_sequences;
   capacity_ = capacity;
   max_batch_ = max_batch;
   window_ = window;
   memory_ = memory;
-  batch_pos_.assign(max_batch, 0);
-  batch_seq_.assign(max_batch, 0);
-  batch_causal_.assign(max_batch, 1);
-  batch_cells_.assign(max_batch, 0);
-  trim_below_.assign(max_sequences, INT64_MIN);
-  lowest_.assign(max_sequences, 0);
-  seq_in_batch_.assign(max_sequences, 0);
-  would_free_.assign(table_.free_bits().size(), 0);
-  would_free_list_.assign(cells, 0);
-  shift_deltas_.assign(max_batch, 0);
-  slots_.assign(max_batch, 0);
-  // One mask row over every cell: a decode step (B = 1) never grows the mask buffer.
-  mask_.reset();
-  mask_capacity_ = 0;
-  KV_RETURN_IF_ERROR(EnsureMaskCapacity(static_cast<size_t>(cells)));
+  for (int i = 0; i < max_batch; ++i) batch_causal_[i] = 1;
+  for (int s = 0; s < max_sequences; ++s) trim_below_[s] = INT64_MIN;
+  would_free_count_ = 0;
+  would_free_first_ = INT32_MAX;
   layers_.reserve(64);
   initialized_ = true;
   return Status::Ok();
 }
 
 void CausalCacheImpl::Close() {
+  // Frees everything: K/V storage and the metadata Init allocated. The cache can be Init'ed again.
   initialized_ = false;
   have_batch_ = false;
   layers_.clear();
   arena_.Release();
   layer_ = 0;
+  table_ = CellTable();
+  mask_block_.Reset();
+  mask_capacity_ = 0;
+  pass_block_.Reset();
+  batch_pos_ = batch_seq_ = batch_cells_ = would_free_list_ = shift_deltas_ = slots_ = nullptr;
+  batch_causal_ = seq_in_batch_ = nullptr;
+  trim_below_ = lowest_ = nullptr;
+  would_free_ = nullptr;
 }
 
 size_t CausalCacheImpl::MemoryBytes() const {
   if (!initialized_) return 0;
-  const size_t n = static_cast<size_t>(table_.num_cells());
-  const size_t table_bytes = n * (4 + 4 + 8 * static_cast<size_t>(table_.seq_words())) + n / 8;
-  return arena_.BytesReserved() + mask_capacity_ * sizeof(float) + table_bytes;
+  return arena_.BytesReserved() + mask_block_.bytes() + pass_block_.bytes() + table_.bytes();
 }
 
 Status CausalCacheImpl::EnsureMaskCapacity(size_t elements) {
   // Grows only for a larger batch x history than any seen before: decode (B = 1) never grows it
   // (Init sizes one row over every cell), and a reserve pass sizes it for the worst case at once.
   if (elements <= mask_capacity_) return Status::Ok();
-  float* p = static_cast<float*>(std::malloc(elements * sizeof(float)));
-  if (p == nullptr)
-    return Status::Error(Code::kOutOfMemory, "mask: cannot allocate %zu floats", elements);
-  mask_.reset(p);
+  OwnedBlock grown;
+  if (Status s = OwnedBlock::Allocate(arena_.allocator(), elements * sizeof(float), &grown);
+      !s.ok()) {
+    return Status::Error(Code::kOutOfMemory, "mask of %zu elements: %s", elements, s.message());
+  }
+  mask_block_ = static_cast<OwnedBlock&&>(grown);
   mask_capacity_ = elements;
   return Status::Ok();
 }
@@ -208,8 +276,9 @@ Status CausalCacheImpl::StartForward(const Batch& batch, bool reserve) {
   const std::span<const int32_t> sequences = batch.sequences;
   if (MemoryLimited()) PlanTrim(positions, sequences);
   const std::span<const uint64_t> also_free =
-      MemoryLimited() ? std::span<const uint64_t>(would_free_) : std::span<const uint64_t>();
-  const int32_t found = table_.FindFree(bs, also_free, would_free_first_, slots_.data());
+      MemoryLimited() ? std::span<const uint64_t>(would_free_, table_.free_bits().size())
+                      : std::span<const uint64_t>();
+  const int32_t found = table_.FindFree(bs, also_free, would_free_first_, slots_);
   if (found < bs) {
     // SEMANTICS.md §3.3: kCacheFull and the cache exactly as before (Ollama trims first; we do
     // not). The previous pass's batch, history and mask are untouched too.
@@ -286,14 +355,14 @@ void CausalCacheImpl::BuildMask() {
   cells.seq_word_stride = static_cast<size_t>(table_.num_cells());
   cells.n = hist_max_ - hist_min_ + 1;
   kernels::MaskTokens tokens;
-  tokens.pos = std::span<const int32_t>(batch_pos_.data(), batch_size_);
-  tokens.seq = std::span<const int32_t>(batch_seq_.data(), batch_size_);
-  tokens.causal = std::span<const uint8_t>(batch_causal_.data(), batch_size_);
+  tokens.pos = std::span<const int32_t>(batch_pos_, batch_size_);
+  tokens.seq = std::span<const int32_t>(batch_seq_, batch_size_);
+  tokens.causal = std::span<const uint8_t>(batch_causal_, batch_size_);
   kernels::MaskRules rules;
   rules.window = window_ == kUnlimited ? kernels::kNoWindow : window_;
   rules.window_inclusive = config_.window_convention == WindowConvention::kInclusive;
   rules.chunk = chunk_;
-  kernels::BuildMask(cells, tokens, rules, config_.mask_dtype, mask_.get());
+  kernels::BuildMask(cells, tokens, rules, config_.mask_dtype, mask());
 }
 
 void CausalCacheImpl::SetCausal(std::span<const int32_t> except) {
@@ -418,7 +487,7 @@ Status CausalCacheImpl::Put(const TensorView& key, const TensorView& value) {
   }
   // A reserve pass sizes storage only: writing to cells 0..B-1 would clobber live tokens.
   if (reserve_) return Status::Ok();
-  const std::span<const int32_t> cells(batch_cells_.data(), batch_size_);
+  const std::span<const int32_t> cells(batch_cells_, batch_size_);
   kernels::ScatterToCells(key, cells, layer.k_layout, layer.k);
   kernels::ScatterToCells(value, cells, layer.v_layout, layer.v);
   return Status::Ok();
@@ -428,7 +497,7 @@ History CausalCacheImpl::Get() {
   History h;
   if (!initialized_ || !have_batch_) return h;
   const int32_t len = hist_max_ - hist_min_ + 1;
-  h.mask.data = mask_.get();
+  h.mask.data = mask();
   h.mask.dtype = config_.mask_dtype;
   h.mask.ne[0] = len;
   h.mask.ne[1] = batch_size_;
@@ -538,7 +607,7 @@ Status CausalCacheImpl::Remove(int seq, int32_t begin, int32_t end) {
       }
     }
     if (lo < 0) continue;
-    const std::span<const int32_t> deltas(shift_deltas_.data() + lo, hi - lo + 1);
+    const std::span<const int32_t> deltas(shift_deltas_ + lo, hi - lo + 1);
     for (int l = 0; l < static_cast<int>(layers_.size()); ++l) {
       if (!layers_[l].allocated) continue;
       const TensorView key =

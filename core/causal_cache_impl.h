@@ -95,30 +95,29 @@ class CausalCacheImpl final : public CausalCache {
   bool have_batch_ = false;
   bool reserve_ = false;
   int32_t batch_size_ = 0;
-  std::vector<int32_t> batch_pos_;     // [max_batch]
-  std::vector<int32_t> batch_seq_;     // [max_batch]
-  std::vector<uint8_t> batch_causal_;  // [max_batch]: 1 = causal rule applies
-  std::vector<int32_t> batch_cells_;   // [max_batch]: target cell of each token
-  int32_t hist_min_ = 0;               // history range [hist_min_, hist_max_], padded
+  int32_t* batch_pos_ = nullptr;     // [max_batch]  (these live in pass_block_)
+  int32_t* batch_seq_ = nullptr;     // [max_batch]
+  uint8_t* batch_causal_ = nullptr;  // [max_batch]: 1 = causal rule applies
+  int32_t* batch_cells_ = nullptr;   // [max_batch]: target cell of each token
+  int32_t hist_min_ = 0;             // history range [hist_min_, hist_max_], padded
   int32_t hist_max_ = -1;
-  // [B][L] mask, f32 or f16 (then the first half of the bytes). Raw so that running out of memory
-  // is a Status, not an abort.
-  struct FreeDeleter {
-    void operator()(void* p) const { std::free(p); }
-  };
-  std::unique_ptr<float[], FreeDeleter> mask_;
-  size_t mask_capacity_ = 0;  // elements
+  // [B][L] mask, f32 or f16 (then the first half of the bytes), from the arena's allocator so that
+  // running out of memory is a Status, not an abort.
+  OwnedBlock mask_block_;
+  size_t mask_capacity_ = 0;  // f32 elements
+  float* mask() const { return static_cast<float*>(mask_block_.data()); }
 
-  // Scratch, sized at Init so StartForward and Remove never allocate.
-  std::vector<int64_t> trim_below_;       // [max_sequences]
-  std::vector<int64_t> lowest_;           // [max_sequences]
-  std::vector<uint8_t> seq_in_batch_;     // [max_sequences]
-  std::vector<uint64_t> would_free_;      // like free_bits
-  std::vector<int32_t> would_free_list_;  // cells set in would_free_
+  // Scratch, carved from pass_block_ at Init so StartForward and Remove never allocate.
+  OwnedBlock pass_block_;
+  int64_t* trim_below_ = nullptr;       // [max_sequences]
+  int64_t* lowest_ = nullptr;           // [max_sequences]
+  uint8_t* seq_in_batch_ = nullptr;     // [max_sequences]
+  uint64_t* would_free_ = nullptr;      // like the table's free bits
+  int32_t* would_free_list_ = nullptr;  // [cells]: cells set in would_free_
   int32_t would_free_count_ = 0;
   int32_t would_free_first_ = INT32_MAX;
-  std::vector<int32_t> shift_deltas_;  // [max_batch]
-  std::vector<int32_t> slots_;         // [max_batch]
+  int32_t* shift_deltas_ = nullptr;  // [max_batch]
+  int32_t* slots_ = nullptr;         // [max_batch]
 };
 
 }  // namespace internal

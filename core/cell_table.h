@@ -21,19 +21,23 @@
 #include <span>
 #include <vector>
 
+#include "core/arena.h"
 #include "core/status.h"
 
 namespace kv {
 
 class CellTable {
  public:
-  // Sizes every array; all cells free. Allocates: call at Init only.
-  Status Init(int32_t num_cells, int32_t max_sequences);
+  // Sizes every array in one block from `allocator`; all cells free. On failure (kOutOfMemory,
+  // kInvalidArgument) the table is unchanged. Allocates: call at Init only.
+  Status Init(int32_t num_cells, int32_t max_sequences,
+              const ArenaAllocator& allocator = SystemAllocator());
   void Clear();  // every cell free, every sequence empty (no allocation)
 
   int32_t num_cells() const { return num_cells_; }
   int32_t max_sequences() const { return max_sequences_; }
   int32_t seq_words() const { return seq_words_; }
+  size_t bytes() const { return block_.bytes(); }  // memory the table holds
 
   bool Holds(int32_t cell, int32_t seq) const {
     return (seq_bits_[static_cast<size_t>(seq / 64) * num_cells_ + cell] >> (seq % 64)) & 1u;
@@ -50,9 +54,9 @@ class CellTable {
   int32_t num_cells_of(int32_t seq) const { return num_cells_of_[seq]; }
 
   // The arrays, for kernels (mask) and tests.
-  const int32_t* pos_data() const { return pos_.data(); }
-  const uint64_t* seq_bits_data() const { return seq_bits_.data(); }
-  std::span<const uint64_t> free_bits() const { return free_bits_; }
+  const int32_t* pos_data() const { return pos_; }
+  const uint64_t* seq_bits_data() const { return seq_bits_; }
+  std::span<const uint64_t> free_bits() const { return {free_bits_, free_words_}; }
 
   // Gives a free cell its token: position `pos`, sequence set {seq}. Precondition: IsFree(cell).
   void Assign(int32_t cell, int32_t pos, int32_t seq);
@@ -82,19 +86,22 @@ class CellTable {
   void MarkFree(int32_t cell);
   void MarkHeld(int32_t cell);
 
+  // Every array lives in block_ (BlockCarver layout, see Init).
+  OwnedBlock block_;
   int32_t num_cells_ = 0;
   int32_t max_sequences_ = 0;
   int32_t seq_words_ = 0;
-  std::vector<int32_t> pos_;
-  std::vector<uint64_t> seq_bits_;
-  std::vector<int32_t> holders_;
-  std::vector<uint64_t> free_bits_;
-  int32_t free_hint_ = 0;  // no free cell below this index
-  std::vector<int32_t> first_cell_;
-  std::vector<int32_t> last_cell_;
-  std::vector<int32_t> min_pos_;
-  std::vector<int32_t> max_pos_;
-  std::vector<int32_t> num_cells_of_;
+  size_t free_words_ = 0;
+  int32_t* pos_ = nullptr;           // [num_cells]
+  uint64_t* seq_bits_ = nullptr;     // [seq_words][num_cells]
+  int32_t* holders_ = nullptr;       // [num_cells]
+  uint64_t* free_bits_ = nullptr;    // [free_words]
+  int32_t free_hint_ = 0;            // no free cell below this index
+  int32_t* first_cell_ = nullptr;    // [max_sequences]
+  int32_t* last_cell_ = nullptr;     // [max_sequences]
+  int32_t* min_pos_ = nullptr;       // [max_sequences]
+  int32_t* max_pos_ = nullptr;       // [max_sequences]
+  int32_t* num_cells_of_ = nullptr;  // [max_sequences]
 };
 
 }  // namespace kv
