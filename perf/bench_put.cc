@@ -5,6 +5,7 @@
 // all in the same run. Every benchmark reports `written` (bytes written to the block per second);
 // a table of memcpy/dispatched and scalar/dispatched time ratios is printed at the end. MemcpySrc
 // copies the f32 source bytes instead (the bytes the scatter reads).
+// and a memcpy between two 256 MiB buffers (memcpy bandwidth in the usual sense; column /bw).
 // Targets: f16/bf16 >= 0.8 of memcpy, q8_0 >= 0.5.
 #include <benchmark/benchmark.h>
 
@@ -92,6 +93,24 @@ void BM_Memcpy(benchmark::State& state, DType dtype, bool source) {
   SetWritten(state, bytes);
 }
 
+// memcpy bandwidth in the usual sense: one copy between two 256 MiB buffers (far beyond the
+// caches), bytes copied per second. The scatter's bytes written per second are quoted against it
+// too: the cache block a runtime writes into is that large, while the same-bytes memcpy above runs
+// in L2.
+constexpr size_t kBandwidthBytes = size_t{256} << 20;
+void BM_MemcpyBandwidth(benchmark::State& state) {
+  auto a = hwy::AllocateAligned<uint8_t>(kBandwidthBytes);
+  auto b = hwy::AllocateAligned<uint8_t>(kBandwidthBytes);
+  std::memset(a.get(), 1, kBandwidthBytes);
+  std::memset(b.get(), 2, kBandwidthBytes);
+  for (auto _ : state) {
+    std::memcpy(b.get(), a.get(), kBandwidthBytes);
+    benchmark::DoNotOptimize(b.get());
+    benchmark::ClobberMemory();
+  }
+  SetWritten(state, kBandwidthBytes);
+}
+
 // Collects `written` per benchmark name and prints the ratios after the console output.
 // The target HWY_DYNAMIC_DISPATCH picks: the best (lowest bit) supported and compiled target.
 const char* BestTarget() {
@@ -114,8 +133,11 @@ class RatioReporter : public benchmark::ConsoleReporter {
   // of bytes written per second; >= 1 means the scatter is as fast as the memcpy).
   void PrintRatios() const {
     std::printf("\nratios, target %s (CPU ns per call)\n", BestTarget());
-    std::printf("%-6s %5s %11s %11s %11s %11s %9s %12s %9s\n", "dtype", "n", "scatter", "memcpy",
-                "memcpy_src", "scalar", "/memcpy", "/memcpy_src", "/scalar");
+    const double bw_ns = Get("MemcpyBandwidth/");
+    const double bw = bw_ns > 0 ? static_cast<double>(kBandwidthBytes) / bw_ns : 0;  // bytes / ns
+    std::printf("memcpy bandwidth (256 MiB -> 256 MiB): %.2f GB/s\n", bw);
+    std::printf("%-6s %5s %11s %11s %11s %11s %9s %12s %9s %8s\n", "dtype", "n", "scatter",
+                "memcpy", "memcpy_src", "scalar", "/memcpy", "/memcpy_src", "/scalar", "/bw");
     for (const char* name : {"f16", "bf16", "q8_0", "q4_0", "f32"}) {
       for (const char* n : {"1", "512"}) {
         const double d = Get(std::string("Scatter/") + name + "/" + n);
@@ -123,8 +145,15 @@ class RatioReporter : public benchmark::ConsoleReporter {
         const double ms = Get(std::string("MemcpySrc/f32/") + n);
         const double s = Get(std::string("ScatterRef/") + name + "/" + n);
         if (d <= 0 || m <= 0) continue;
-        std::printf("%-6s %5s %11.1f %11.1f %11.1f %11.1f %9.2f %12.2f %9.1f\n", name, n, d, m, ms,
-                    s, m / d, ms / d, s / d);
+        const DType t = std::string(name) == "f16"    ? DType::kF16
+                        : std::string(name) == "bf16" ? DType::kBF16
+                        : std::string(name) == "q8_0" ? DType::kQ8_0
+                        : std::string(name) == "q4_0" ? DType::kQ4_0
+                                                      : DType::kF32;
+        const double written =
+            std::stod(n) * kHeads * static_cast<double>(kv::RowBytes(t, kHeadDim));
+        std::printf("%-6s %5s %11.1f %11.1f %11.1f %11.1f %9.2f %12.2f %9.1f %8.2f\n", name, n, d,
+                    m, ms, s, m / d, ms / d, s / d, bw > 0 ? written / d / bw : 0.0);
       }
     }
   }
@@ -140,6 +169,7 @@ class RatioReporter : public benchmark::ConsoleReporter {
 void Register() {
   const DType types[] = {DType::kF16, DType::kBF16, DType::kQ8_0, DType::kQ4_0, DType::kF32};
   benchmark::RegisterBenchmark("MemcpySrc/f32", BM_Memcpy, DType::kF32, true)->Arg(1)->Arg(512);
+  benchmark::RegisterBenchmark("MemcpyBandwidth", BM_MemcpyBandwidth)->Iterations(8);
   for (DType t : types) {
     const std::string name = kv::DTypeName(t);
     benchmark::RegisterBenchmark(("Scatter/" + name).c_str(), BM_Scatter, t, false)
