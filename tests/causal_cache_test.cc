@@ -183,6 +183,34 @@ TEST(CausalMask, F16MaskAndPadding) {
   EXPECT_EQ(MaskString(h), "0 x x x / 0 0 x x / x x 0 x");
 }
 
+TEST(CausalMask, Padding256RoundsTheHistoryOutward) {
+  auto cache = NewSWACache(3);
+  CacheConfig cfg;
+  cfg.padding = 256;
+  ASSERT_TRUE(cache->SetConfig(cfg).ok());
+  ASSERT_TRUE(cache->Init(DType::kF32, 2, 600, 8).ok());
+  EXPECT_EQ(cache->NumCells(), 256);  // memory max(3, 3 + 1) = 4: 2 * 4 + 8 = 16, padded to 256
+  cache->SetLayer(0);
+  ASSERT_TRUE(Start(cache.get(), {0, 1, 2, 3, 4, 5, 6, 7}, {0, 0, 0, 0, 0, 0, 0, 0}).ok());
+  ASSERT_TRUE(PutValues(cache.get(), {1, 2, 3, 4, 5, 6, 7, 8}).ok());
+  History h = cache->Get();
+  EXPECT_EQ(h.k.ne[2], 256);  // cells 0..7 padded to [0, 255]
+  EXPECT_EQ(h.mask.ne[0], 256);
+  // Sequence 1's first token: sequence 0 (not in the batch) keeps positions >= 8 - 4, so cells
+  // 0..3 are freed and the token takes cell 0. Only that cell is visible to it.
+  ASSERT_TRUE(Start(cache.get(), {0}, {1}).ok());
+  ASSERT_TRUE(PutValues(cache.get(), {9}).ok());
+  h = cache->Get();
+  EXPECT_EQ(h.k.ne[2], 256);
+  const float* m = static_cast<const float*>(h.mask.data);
+  for (int j = 0; j < 256; ++j) EXPECT_EQ(m[j] == 0.0f, j == 0) << j;
+  const std::vector<float> keys = HistoryKeys(h);
+  EXPECT_EQ(keys[0], 9);
+  EXPECT_EQ(keys[4], 5);
+  EXPECT_TRUE(cache->CanResume(0, 8));
+  EXPECT_FALSE(cache->CanResume(0, 6));  // 6 - 3 = 3 < 4, the first position kept
+}
+
 // ---- §3 slots, full cache, reserve ------------------------------------------------------------
 
 TEST(CausalStart, CacheFullLeavesEverythingAsItWas) {
