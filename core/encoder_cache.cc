@@ -10,6 +10,9 @@
 // - A reserve pass's Put sizes storage (preserving any cached data) but neither copies nor marks
 //   the encoder cached: the reserve graph is never a real image.
 // - EncoderOptions::per_sequence keeps one block per sequence (Ollama holds one for all).
+// - Save / load (Serialize / Deserialize, stream kind 4; format and rules in core/persistence.h):
+//   a load parses and checks the whole stream, allocates any larger blocks into locals, and only
+//   then copies; a load also reuses blocks that are large enough (capacity only grows).
 #include <algorithm>
 #include <cstring>
 #include <memory>
@@ -17,6 +20,7 @@
 
 #include "core/arena.h"
 #include "core/cache.h"
+#include "core/stream_impl.h"
 
 namespace kv {
 namespace {
@@ -80,20 +84,29 @@ struct LayerStore {
 
   size_t Bytes() const { return arena ? arena->BytesReserved() : 0; }
 
-  // Makes room for k_bytes / v_bytes. With `preserve`, the bytes the views describe survive a
-  // reallocation. On failure nothing changes.
-  Status Ensure(size_t k_bytes, size_t v_bytes, bool preserve, const ArenaAllocator& allocator) {
-    if (k_bytes <= k_cap && v_bytes <= v_cap) return Status::Ok();
-    k_bytes = std::max(k_bytes, k_cap);
-    v_bytes = std::max(v_bytes, v_cap);
+  // A fresh arena with a K block of k_bytes and a V block of v_bytes (64-byte aligned, zeroed).
+  static Status AllocateBlocks(size_t k_bytes, size_t v_bytes, const ArenaAllocator& allocator,
+                               std::unique_ptr<Arena>* arena, void** k, void** v) {
     auto fresh = std::make_unique<Arena>(allocator);
     const size_t align = 64;
     KV_RETURN_IF_ERROR(fresh->Reserve((k_bytes + align - 1) / align * align +
                                       (v_bytes + align - 1) / align * align));
+    KV_RETURN_IF_ERROR(fresh->Allocate(k_bytes, k));
+    KV_RETURN_IF_ERROR(fresh->Allocate(v_bytes, v));
+    *arena = std::move(fresh);
+    return Status::Ok();
+  }
+
+  // Makes room for k_bytes / v_bytes. With `preserve`, the bytes the views describe survive a
+  // reallocation. On failure nothing changes. Capacity never shrinks.
+  Status Ensure(size_t k_bytes, size_t v_bytes, bool preserve, const ArenaAllocator& allocator) {
+    if (k_bytes <= k_cap && v_bytes <= v_cap) return Status::Ok();
+    k_bytes = std::max(k_bytes, k_cap);
+    v_bytes = std::max(v_bytes, v_cap);
+    std::unique_ptr<Arena> fresh;
     void* nk = nullptr;
     void* nv = nullptr;
-    KV_RETURN_IF_ERROR(fresh->Allocate(k_bytes, &nk));
-    KV_RETURN_IF_ERROR(fresh->Allocate(v_bytes, &nv));
+    KV_RETURN_IF_ERROR(AllocateBlocks(k_bytes, v_bytes, allocator, &fresh, &nk, &nv));
     if (preserve && has_view) {
       std::memcpy(nk, k, k_cap);
       std::memcpy(nv, v, v_cap);
@@ -142,6 +155,7 @@ class EncoderCacheImpl final : public EncoderCache {
     }
     Close();
     // The storage dtype is not applied: K/V keep the dtype they are given (as Ollama).
+    dtype_ = dtype;
     max_sequences_ = max_sequences;
     max_batch_ = max_batch;
     slots_.resize(options_.per_sequence ? static_cast<size_t>(max_sequences) : 1);
@@ -324,6 +338,9 @@ class EncoderCacheImpl final : public EncoderCache {
     return Status::Ok();
   }
 
+  Status Serialize(std::vector<uint8_t>* out, int seq) const override;
+  Status Deserialize(std::span<const uint8_t> bytes, int seq) override;
+
   size_t MemoryBytes() const override {
     size_t total = 0;
     for (const Slot& s : slots_) {
@@ -335,6 +352,7 @@ class EncoderCacheImpl final : public EncoderCache {
  private:
   EncoderOptions options_;
   CacheConfig config_;
+  DType dtype_ = DType::kF32;  // Init's dtype: recorded and checked by persistence, not applied
   ArenaAllocator allocator_ = SystemAllocator();
   bool initialized_ = false;
   int max_sequences_ = 0;
@@ -344,6 +362,254 @@ class EncoderCacheImpl final : public EncoderCache {
   int layer_ = 0;
   bool reserve_ = false;
 };
+
+// ---- persistence (stream kind 4; the format and the rules are in core/persistence.h) -----------
+
+using internal::BeginStream;
+using internal::EndStream;
+using internal::kKindEncoder;
+using internal::MulAdd;
+using internal::OpenStream;
+using internal::PutBytes;
+using internal::PutI32;
+using internal::PutU64;
+using internal::PutU8;
+using internal::Reader;
+using internal::Truncated;
+
+void PutShape(std::vector<uint8_t>* out, const TensorView& v) {
+  for (int d = 0; d < 4; ++d) PutU64(out, static_cast<uint64_t>(v.ne[d]));
+}
+
+Status EncoderCacheImpl::Serialize(std::vector<uint8_t>* out, int seq) const {
+  if (out == nullptr) return Status::Error(Code::kInvalidArgument, "save: null output");
+  if (!initialized_) return Status::Error(Code::kInvalidArgument, "save: encoder not initialized");
+  if (seq < -1 || seq >= max_sequences_) {
+    return Status::Error(Code::kInvalidArgument, "save: sequence %d outside [-1, %d)", seq,
+                         max_sequences_);
+  }
+  // seq >= 0 saves the block that sequence reads: its own, or the shared one.
+  size_t first = 0, count = slots_.size();
+  if (seq >= 0) {
+    first = options_.per_sequence ? static_cast<size_t>(seq) : 0;
+    count = 1;
+  }
+  size_t total = internal::kHeaderBytes + 16 + internal::kTrailerBytes;
+  for (size_t i = first; i < first + count; ++i) {
+    total += 16;
+    for (const LayerStore& l : slots_[i].layers) {
+      total += 4;
+      if (l.has_view) total += 64 + ContiguousBytes(l.k_view) + ContiguousBytes(l.v_view);
+    }
+  }
+  out->reserve(total);
+  BeginStream(out, kKindEncoder);
+  PutU8(out, static_cast<uint8_t>(dtype_));
+  PutU8(out, options_.per_sequence ? 1 : 0);
+  PutU8(out, config_.permuted_v ? 1 : 0);
+  PutU8(out, 0);
+  PutI32(out, max_sequences_);
+  PutI32(out, seq);
+  PutI32(out, static_cast<int32_t>(count));
+  for (size_t i = first; i < first + count; ++i) {
+    const Slot& slot = slots_[i];
+    PutU8(out, slot.cached ? 1 : 0);
+    PutU8(out, 0);
+    PutU8(out, 0);
+    PutU8(out, 0);
+    PutI32(out, slot.pos);
+    PutI32(out, slot.cur_pos);
+    // Trailing layers without contents carry nothing.
+    size_t n_layers = slot.layers.size();
+    while (n_layers > 0 && !slot.layers[n_layers - 1].has_view) --n_layers;
+    PutI32(out, static_cast<int32_t>(n_layers));
+    for (size_t l = 0; l < n_layers; ++l) {
+      const LayerStore& ls = slot.layers[l];
+      PutU8(out, ls.has_view ? 1 : 0);
+      PutU8(out, ls.has_view ? static_cast<uint8_t>(ls.k_view.dtype) : 0);
+      PutU8(out, ls.has_view ? static_cast<uint8_t>(ls.v_view.dtype) : 0);
+      PutU8(out, 0);
+      if (!ls.has_view) continue;
+      PutShape(out, ls.k_view);
+      PutShape(out, ls.v_view);
+      PutBytes(out, ls.k, ContiguousBytes(ls.k_view));
+      PutBytes(out, ls.v, ContiguousBytes(ls.v_view));
+    }
+  }
+  EndStream(out);
+  return Status::Ok();
+}
+
+namespace {
+
+struct StreamLayer {
+  bool present = false;
+  DType k_dtype = DType::kF32, v_dtype = DType::kF32;
+  int64_t k_ne[4] = {0, 0, 0, 0}, v_ne[4] = {0, 0, 0, 0};
+  size_t k_bytes = 0, v_bytes = 0;
+  const uint8_t* k = nullptr;  // into the caller's bytes
+  const uint8_t* v = nullptr;
+  // Storage to adopt when the target layer's blocks are too small (prepared before any change).
+  std::unique_ptr<Arena> arena;
+  void* new_k = nullptr;
+  void* new_v = nullptr;
+};
+
+struct StreamSlot {
+  bool cached = false;
+  int32_t pos = 0, cur_pos = 0;
+  std::vector<StreamLayer> layers;
+};
+
+// A positive shape in a float dtype whose contiguous byte count fits in size_t (as Put accepts).
+bool ReadShape(Reader* r, uint8_t dtype_u8, int64_t ne[4], size_t* bytes) {
+  const DType dtype = static_cast<DType>(dtype_u8);
+  if (!IsValidDType(dtype) || !IsFloatDType(dtype)) return false;
+  size_t n = BlockBytes(dtype);
+  for (int d = 0; d < 4; ++d) {
+    if (!r->I64(&ne[d]) || ne[d] < 1 || !MulAdd(n, static_cast<size_t>(ne[d]), 0, &n)) return false;
+  }
+  *bytes = n;
+  return true;
+}
+
+}  // namespace
+
+Status EncoderCacheImpl::Deserialize(std::span<const uint8_t> bytes, int seq) {
+  if (!initialized_) return Status::Error(Code::kInvalidArgument, "load: encoder not initialized");
+  Reader r;
+  KV_RETURN_IF_ERROR(OpenStream(bytes, kKindEncoder, &r));
+
+  // 1. Parse and check the stream on its own (kCorrupt: malformed whatever the target).
+  uint8_t dtype_u8 = 0, per_seq = 0, permuted = 0, z = 0;
+  int32_t max_seqs = 0, saved_seq = 0, n_slots = 0;
+  if (!r.U8(&dtype_u8) || !r.U8(&per_seq) || !r.U8(&permuted) || !r.U8(&z) || !r.I32(&max_seqs) ||
+      !r.I32(&saved_seq) || !r.I32(&n_slots)) {
+    return Truncated("the encoder header");
+  }
+  const DType dtype = static_cast<DType>(dtype_u8);
+  if (!IsValidDType(dtype) || per_seq > 1 || permuted > 1 || z != 0)
+    return Status::Error(Code::kCorrupt, "cache stream: bad dtype/flags %u/%u/%u", dtype_u8,
+                         per_seq, permuted);
+  const int32_t want_slots = saved_seq >= 0 ? 1 : (per_seq ? max_seqs : 1);
+  if (max_seqs < 1 || saved_seq < -1 || saved_seq >= max_seqs || n_slots != want_slots ||
+      static_cast<size_t>(n_slots) > r.left() / 16) {
+    return Status::Error(
+        Code::kCorrupt, "cache stream: impossible encoder shape (sequences %d, saved %d, slots %d)",
+        max_seqs, saved_seq, n_slots);
+  }
+  std::vector<StreamSlot> ss(static_cast<size_t>(n_slots));
+  for (StreamSlot& s : ss) {
+    uint8_t cached = 0, a = 0, b = 0, c = 0;
+    int32_t n_layers = 0;
+    if (!r.U8(&cached) || !r.U8(&a) || !r.U8(&b) || !r.U8(&c) || !r.I32(&s.pos) ||
+        !r.I32(&s.cur_pos) || !r.I32(&n_layers)) {
+      return Truncated("an encoder slot");
+    }
+    if (cached > 1 || a != 0 || b != 0 || c != 0 || n_layers < 0 || n_layers > kMaxLayers ||
+        static_cast<size_t>(n_layers) > r.left() / 4) {
+      return Status::Error(Code::kCorrupt, "cache stream: bad encoder slot (flag %u, layers %d)",
+                           cached, n_layers);
+    }
+    s.cached = cached != 0;
+    s.layers.resize(static_cast<size_t>(n_layers));
+    for (StreamLayer& l : s.layers) {
+      uint8_t present = 0, kd = 0, vd = 0, zz = 0;
+      if (!r.U8(&present) || !r.U8(&kd) || !r.U8(&vd) || !r.U8(&zz))
+        return Truncated("an encoder layer");
+      if (present > 1 || zz != 0 || (present == 0 && (kd != 0 || vd != 0)))
+        return Status::Error(Code::kCorrupt, "cache stream: bad encoder layer record");
+      if (present == 0) continue;
+      l.present = true;
+      l.k_dtype = static_cast<DType>(kd);
+      l.v_dtype = static_cast<DType>(vd);
+      if (!ReadShape(&r, kd, l.k_ne, &l.k_bytes) || !ReadShape(&r, vd, l.v_ne, &l.v_bytes))
+        return Status::Error(Code::kCorrupt, "cache stream: bad encoder K/V dtype or shape");
+      if (!r.Bytes(l.k_bytes, &l.k) || !r.Bytes(l.v_bytes, &l.v)) return Truncated("encoder rows");
+    }
+  }
+  if (r.left() != 0)
+    return Status::Error(Code::kCorrupt, "cache stream: %zu bytes after the encoder", r.left());
+
+  // 2. Compatibility with this cache (kInvalidArgument: a good stream for another cache).
+  if (dtype != dtype_ || (per_seq != 0) != options_.per_sequence ||
+      (permuted != 0) != config_.permuted_v) {
+    return Status::Error(Code::kInvalidArgument,
+                         "load: stream encoder is %s per_sequence %d permuted_v %d, this one %s "
+                         "%d %d",
+                         DTypeName(dtype), per_seq, permuted, DTypeName(dtype_),
+                         options_.per_sequence ? 1 : 0, config_.permuted_v ? 1 : 0);
+  }
+  size_t first = 0;
+  if (saved_seq < 0) {
+    if (seq != -1) {
+      return Status::Error(Code::kInvalidArgument,
+                           "load: stream holds the whole encoder; sequence %d must be -1", seq);
+    }
+    if (max_seqs != max_sequences_) {
+      return Status::Error(Code::kInvalidArgument, "load: stream has %d sequences, cache has %d",
+                           max_seqs, max_sequences_);
+    }
+  } else {
+    const int dst = seq == -1 ? saved_seq : seq;
+    if (dst < 0 || dst >= max_sequences_) {
+      return Status::Error(Code::kInvalidArgument, "load: sequence %d outside [0, %d)", dst,
+                           max_sequences_);
+    }
+    first = options_.per_sequence ? static_cast<size_t>(dst) : 0;
+  }
+
+  // 3. Room: storage for every layer whose blocks are too small, allocated now into the stream
+  // records; an allocation failure drops them and leaves the cache as it was. Capacity never
+  // shrinks, so reloading a stream this cache held before (a wrapper's rollback) allocates nothing.
+  for (size_t i = 0; i < ss.size(); ++i) {
+    const Slot& t = slots_[first + i];
+    for (size_t l = 0; l < ss[i].layers.size(); ++l) {
+      StreamLayer& s = ss[i].layers[l];
+      if (!s.present) continue;
+      const size_t k_cap = l < t.layers.size() ? t.layers[l].k_cap : 0;
+      const size_t v_cap = l < t.layers.size() ? t.layers[l].v_cap : 0;
+      if (s.k_bytes <= k_cap && s.v_bytes <= v_cap) continue;
+      KV_RETURN_IF_ERROR(LayerStore::AllocateBlocks(std::max(s.k_bytes, k_cap),
+                                                    std::max(s.v_bytes, v_cap), allocator_,
+                                                    &s.arena, &s.new_k, &s.new_v));
+    }
+  }
+
+  // 4. Commit. Nothing below can fail.
+  for (size_t i = 0; i < ss.size(); ++i) {
+    Slot& t = slots_[first + i];
+    StreamSlot& s = ss[i];
+    if (t.layers.size() < s.layers.size()) t.layers.resize(s.layers.size());
+    for (size_t l = 0; l < t.layers.size(); ++l) {
+      LayerStore& ls = t.layers[l];
+      if (l >= s.layers.size() || !s.layers[l].present) {
+        ls.has_view = false;  // storage (if any) stays for the next Put
+        continue;
+      }
+      StreamLayer& sl = s.layers[l];
+      if (sl.arena) {
+        ls.k_cap = std::max(sl.k_bytes, ls.k_cap);
+        ls.v_cap = std::max(sl.v_bytes, ls.v_cap);
+        ls.arena = std::move(sl.arena);
+        ls.k = sl.new_k;
+        ls.v = sl.new_v;
+      }
+      std::memcpy(ls.k, sl.k, sl.k_bytes);
+      std::memcpy(ls.v, sl.v, sl.v_bytes);
+      ls.k_view = ContiguousView(ls.k, sl.k_dtype, sl.k_ne);
+      ls.v_view = ContiguousView(ls.v, sl.v_dtype, sl.v_ne);
+      ls.has_view = true;
+    }
+    t.cached = s.cached;
+    t.pos = s.pos;
+    t.cur_pos = s.cur_pos;
+  }
+  // No forward pass is current (as after Init): StartForward selects the slot again.
+  cur_slot_ = 0;
+  reserve_ = false;
+  return Status::Ok();
+}
 
 }  // namespace
 

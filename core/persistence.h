@@ -1,13 +1,13 @@
-// Saving and loading caches: a whole causal-family cache, one sequence of it, or a growing /
-// rotating SequenceCache, to a byte stream or a file. The anchors are llama.cpp's session /
-// sequence-state files and MLX's prompt-cache files; unlike both, every load is validated in full
-// before anything changes, and a checksum covers every byte.
+// Saving and loading caches: a whole causal-family or encoder cache, one sequence of it, a wrapper
+// of such caches, or a growing / rotating SequenceCache, to a byte stream or a file. The anchors
+// are llama.cpp's session / sequence-state files and MLX's prompt-cache files; unlike both, every
+// load is validated in full before anything changes, and a checksum covers every byte.
 //
 // Stream format, version 1 (every integer little-endian, no implicit padding):
 //   offset 0   char[8] magic "KVCACHE\0"
 //          8   u32 version (1)
 //         12   u32 kind: 1 causal family (CausalCache), 2 growing/rotating (SequenceCache),
-//              3 wrapper (WrapperCache)
+//              3 wrapper (WrapperCache), 4 encoder (EncoderCache)
 //         16   u64 total bytes of the stream, checksum included
 //         24   body (below)
 //   total - 4  u32 CRC32C (core/crc32c.h) of bytes [0, total - 4)
@@ -23,6 +23,14 @@
 //   [cell][kv_head][v_head_dim], in the storage dtype, packed (a row is RowBytes(dtype, head_dim);
 //   quantized rows are their blocks back to back). Only held cells are written: a mostly empty
 //   cache saves small.
+// Encoder body:
+//   u8 Init dtype, u8 per_sequence, u8 permuted_v, u8 zero
+//   i32 max_sequences, i32 saved sequence (-1: the whole cache), i32 slot count (whole cache: 1
+//   shared, max_sequences per sequence; one sequence: 1)
+//   per slot: u8 cached, u8[3] zero, i32 position of the cached data, i32 position recorded by the
+//   last multimodal StartForward, i32 layers; per layer: u8 present, u8 K dtype, u8 V dtype, u8
+//   zero, and when present i64 K ne[4], i64 V ne[4] (the views Get returns: V already permuted
+//   when permuted_v), then the contiguous K bytes and V bytes in their own float dtype.
 // Sequence-cache body: SequenceCacheState (core/sequence_cache.h) field by field:
 //   u8 dtype, u8[3] zero, i32 max_size, keep, offset, len, key_dim, value_dim, heads, batch,
 //   u64 key bytes, u64 value bytes, the key bytes, the value bytes.
@@ -54,14 +62,28 @@
 // After any successful load the target has no current forward pass: call StartForward before
 // Put/Get (as after Init).
 //
+// Encoder caches (stream kind 4): the target must be Init'ed with the same dtype (recorded though
+// K/V keep their input dtype), the same EncoderOptions::per_sequence and the same permuted_v
+// (kInvalidArgument otherwise). Whole cache (seq == -1 on both sides): also the same
+// max_sequences; afterwards every slot holds the saved cached flag, positions and per-layer K/V
+// (dtype, shape, bytes; a reserve pass's sized-but-uncached views included), and attention over
+// it is bit-identical to the saved cache. One sequence (SaveCache with seq >= 0): per sequence,
+// that sequence's block; shared, the one block every sequence reads (any valid seq saves it).
+// LoadCache with dst (-1: the saved id) replaces sequence dst's block, or, shared, the shared
+// block (dst only checked to be in range); other sequences are untouched and max_sequences may
+// differ. Layers the target holds but the stream lacks become empty (their storage is kept).
+// Storage grows only: a load allocates (one arena per layer, before anything changes) only where
+// the target's blocks are too small, so reloading a stream the cache held earlier (a wrapper's
+// rollback) never allocates. After a load no forward pass is current: call StartForward.
+//
 // Wrapper caches (the WrapperCache overloads below; stream kind 3): a u32 child count, then per
-// child a u64 byte count and that child's own stream. Every child must support persistence (an
-// encoder child does not: kNotSupported before anything changes); seq applies to every child. A
-// load validates the outer stream, backs every child up in memory, then loads the children in
-// order; if child i fails, children 0..i-1 are restored from their backups (contents as before;
-// their current forward pass is dropped, and storage they allocated stays allocated, zeroed).
-// Not covered: the encoder cache (Serialize/Deserialize return kNotSupported). Through a plain
-// Cache& a wrapper is kNotSupported too; call these overloads with the WrapperCache type.
+// child a u64 byte count and that child's own stream. Every child must support persistence (a
+// hand-written child without it: kNotSupported before anything changes); seq applies to every
+// child. A load validates the outer stream, backs every child up in memory, then loads the
+// children in order; if child i fails, children 0..i-1 are restored from their backups (contents
+// as before; their current forward pass is dropped, and storage they allocated stays allocated,
+// zeroed or unused). Through a plain Cache& a wrapper is kNotSupported; call these overloads with
+// the WrapperCache type.
 //
 // Files: SaveCacheFile writes `path` + ".tmp", fsyncs it, renames it over `path` and fsyncs the
 // directory, so a crash mid-save leaves either the previous file or the new one, never a torn one.

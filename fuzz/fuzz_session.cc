@@ -1,12 +1,12 @@
 // Fuzzer of the session loader (core/persistence.h): LoadCache / LoadSequenceCache on damaged
 // streams. The input builds a small source cache (a causal-family cache, a wrapper of SWA +
-// causal, or a growing / rotating cache) from a few decoded calls, saves it (whole or one
-// sequence), then damages the stream with fuzzed edits (byte flips, overwritten integers,
-// truncation, extension) or replaces it with raw input bytes, and, when the input asks, repairs the
-// total size and the CRC32C so the field-by-field validation behind the checksum is reached.
-// Checked: no crash or sanitizer report whatever the bytes; a failing load leaves the target
-// byte-for-byte as it was (its own saved stream, CheckConsistency); a successful load leaves a
-// consistent cache that takes a further StartForward + Put + Get, and an undamaged whole-cache
+// causal, a growing / rotating cache, or an encoder cache) from a few decoded calls, saves it
+// (whole or one sequence), then damages the stream with fuzzed edits (byte flips, overwritten
+// integers, truncation, extension) or replaces it with raw input bytes, and, when the input asks,
+// repairs the total size and the CRC32C so the field-by-field validation behind the checksum is
+// reached. Checked: no crash or sanitizer report whatever the bytes; a failing load leaves the
+// target byte-for-byte as it was (its own saved stream, CheckConsistency); a successful load leaves
+// a consistent cache that takes a further StartForward + Put + Get, and an undamaged whole-cache
 // stream loads back to the identical stream.
 #include <algorithm>
 #include <cstring>
@@ -251,20 +251,118 @@ void FuzzSequence(Reader& r) {
   fill(target.get(), 2);
 }
 
+// The encoder cache: images of fuzzed shapes and input dtypes in one or more sequences (shared or
+// per sequence, plain or permuted V, some from a reserve pass), saved whole or for one sequence.
+void FuzzEncoder(Reader& r) {
+  const DType in_dtypes[] = {DType::kF32, DType::kF16, DType::kBF16};
+  kv::EncoderOptions opt;
+  opt.per_sequence = r.OneIn(2);
+  kv::CacheConfig cfg;
+  cfg.permuted_v = r.OneIn(2);
+  const DType dtype = r.Pick(kDtypes);
+  const int seqs = r.Int(1, 3);
+  auto make = [&](const kv::EncoderOptions& o, const kv::CacheConfig& c, DType dt, int n) {
+    auto e = kv::NewEncoderCache(o);
+    FUZZ_CHECK(e->SetConfig(c).ok() && e->Init(dt, n, 16, 4).ok(), "encoder Init failed");
+    return e;
+  };
+  auto fill = [&](kv::EncoderCache* c, int n_seqs, int passes) {
+    for (int p = 0; p < passes; ++p) {
+      const int32_t pos[1] = {r.Int(0, 20)}, seq[1] = {r.Int(0, n_seqs - 1)}, mm[1] = {0};
+      kv::Batch b;
+      b.positions = pos;
+      b.sequences = seq;
+      if (r.OneIn(2)) b.multimodal = mm;
+      if (!c->StartForward(b, r.OneIn(5)).ok()) continue;
+      const DType in = r.Pick(in_dtypes);
+      const int d = r.Int(1, 8), h = r.Int(1, 2), t = r.Int(1, 5);
+      std::vector<uint16_t> buf(static_cast<size_t>(d) * h * t * 2);  // f32 needs 2 per element
+      for (size_t i = 0; i < buf.size(); ++i) buf[i] = static_cast<uint16_t>(0x3C00 + i % 64);
+      const int layers = r.Int(1, 3);
+      for (int l = 0; l < layers; ++l) {
+        c->SetLayer(l);
+        const TensorView v = kv::MakeView(buf.data(), in, {d, h, t});
+        const Status st = c->Put(v, v);
+        FUZZ_CHECK(st.ok(), "encoder Put failed: %s", st.message());
+      }
+      if (r.OneIn(4)) (void)c->Remove(r.Int(0, n_seqs - 1), r.Int(0, 10), kv::kPosMax);
+    }
+  };
+  auto src = make(opt, cfg, dtype, seqs);
+  fill(src.get(), seqs, r.Int(0, 5));
+  const int seq = r.OneIn(3) ? r.Int(0, seqs - 1) : -1;
+  std::vector<uint8_t> stream;
+  FUZZ_CHECK(kv::SaveCache(*src, &stream, seq).ok(), "encoder SaveCache failed");
+  const std::vector<uint8_t> pristine = stream;
+  if (r.OneIn(8)) {
+    stream.resize(std::min<size_t>(stream.size(), 24));
+    while (!r.empty() && stream.size() < 4096) stream.push_back(r.U8());
+  }
+  Damage(r, &stream);
+
+  kv::EncoderOptions topt = opt;
+  kv::CacheConfig tcfg = cfg;
+  DType tdtype = dtype;
+  int tseqs = seqs;
+  if (r.OneIn(8)) topt.per_sequence = !topt.per_sequence;
+  if (r.OneIn(8)) tcfg.permuted_v = !tcfg.permuted_v;
+  if (r.OneIn(8)) tdtype = r.Pick(kDtypes);
+  if (r.OneIn(8)) tseqs = r.Int(1, 3);
+  auto target = make(topt, tcfg, tdtype, tseqs);
+  fill(target.get(), tseqs, r.Int(0, 3));
+  std::vector<uint8_t> before, after;
+  FUZZ_CHECK(kv::SaveCache(*target, &before).ok(), "save encoder target");
+  const size_t mem_before = target->MemoryBytes();
+  const int dst = seq < 0 ? -1 : r.Int(-1, tseqs - 1);
+  const Status st = kv::LoadCache(stream, target.get(), dst);
+  FUZZ_CHECK(kv::SaveCache(*target, &after).ok(), "save encoder target after load");
+  if (!st.ok()) {
+    FUZZ_CHECK(before == after && target->MemoryBytes() == mem_before,
+               "failing encoder LoadCache (%s: %s) changed the target", kv::CodeName(st.code()),
+               st.message());
+    return;
+  }
+  if (stream == pristine && seq < 0) {
+    FUZZ_CHECK(after == pristine, "whole encoder stream does not load back to itself");
+  }
+  // The loaded cache keeps working, and its views stay inside its storage.
+  for (int s = 0; s < tseqs; ++s) {
+    const int32_t pos[1] = {0}, sq[1] = {s};
+    kv::Batch b;
+    b.positions = pos;
+    b.sequences = sq;
+    FUZZ_CHECK(target->StartForward(b, false).ok(), "StartForward after load");
+    for (int l = 0; l < 3; ++l) {
+      target->SetLayer(l);
+      const kv::History h = target->Get();
+      if (h.k.data == nullptr) continue;
+      volatile uint8_t sink = 0;
+      const uint8_t* kp = static_cast<const uint8_t*>(h.k.data);
+      const uint8_t* vp = static_cast<const uint8_t*>(h.v.data);
+      sink = sink + kp[static_cast<size_t>(kv::NumElements(h.k)) * kv::BlockBytes(h.k.dtype) - 1];
+      sink = sink + vp[static_cast<size_t>(kv::NumElements(h.v)) * kv::BlockBytes(h.v.dtype) - 1];
+    }
+  }
+  fill(target.get(), tseqs, 2);
+}
+
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   Reader r(data, size);
   kvfuzz::UseTarget(r.U8());
-  switch (r.U8() % 3) {
+  switch (r.U8() % 4) {
     case 0:
       FuzzCausal(r, false);
       break;
     case 1:
       FuzzCausal(r, true);
       break;
-    default:
+    case 2:
       FuzzSequence(r);
+      break;
+    default:
+      FuzzEncoder(r);
       break;
   }
   hwy::SetSupportedTargetsForTest(0);
