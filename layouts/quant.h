@@ -81,8 +81,10 @@ inline void QuantizeBlockQ8_0(const float* x, void* block) {
   const bool multiply = ScaleInverseIsFinite(d, &id);
   SetBlockScale(block, F32ToF16(d));
   int8_t* qs = Q8Codes(block);
-  for (int j = 0; j < 32; ++j)
-    qs[j] = static_cast<int8_t>(std::roundf(multiply ? x[j] * id : x[j] / d));
+  for (int j = 0; j < 32; ++j) {
+    const float scaled = SafeScaled(multiply ? x[j] * id : x[j] / d, -127.0f, 127.0f);
+    qs[j] = static_cast<int8_t>(std::roundf(scaled));
+  }
 }
 
 inline void DequantizeBlockQ8_0(const void* block, float* out) {
