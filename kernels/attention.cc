@@ -71,17 +71,9 @@ inline float* ThreadScratch(size_t floats, int which) {
   return buf[which].get();
 }
 
+// mask[b * L + j]: row b (batch token), cell j.
 inline float MaskValue(const TensorView& mask, int64_t b, int64_t j) {
-  const char* p = static_cast<const char*>(mask.data) + static_cast<size_t>(b) * mask.nb[1] +
-                  static_cast<size_t>(j) * mask.nb[0];
-  if (mask.dtype == DType::kF16) {
-    uint16_t h;
-    std::memcpy(&h, p, 2);
-    return F16ToF32(h);
-  }
-  float f;
-  std::memcpy(&f, p, 4);
-  return f;
+  return ElementAsF32(mask, j, b);
 }
 
 // f16 scale of a quantized block to f32: exact for zero, subnormal and normal values (the bits are

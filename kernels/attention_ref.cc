@@ -10,17 +10,7 @@ namespace kv::kernels {
 namespace {
 
 float MaskAt(const TensorView& mask, int64_t i, int64_t j) {
-  if (mask.data == nullptr) return 0.0f;
-  const char* p = static_cast<const char*>(mask.data) + static_cast<size_t>(i) * mask.nb[1] +
-                  static_cast<size_t>(j) * mask.nb[0];
-  if (mask.dtype == DType::kF16) {
-    uint16_t h;
-    std::memcpy(&h, p, 2);
-    return F16ToF32(h);
-  }
-  float f;
-  std::memcpy(&f, p, 4);
-  return f;
+  return mask.data == nullptr ? 0.0f : ElementAsF32(mask, j, i);
 }
 
 }  // namespace

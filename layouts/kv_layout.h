@@ -32,6 +32,12 @@ constexpr size_t RoundUp(size_t n, size_t multiple) {
   return (n + multiple - 1) / multiple * multiple;
 }
 
+// Bytes between consecutive rows of `row_bytes`: float rows padded to 64 bytes, quantized rows
+// packed (see the file comment for why).
+constexpr size_t RowStride(DType dtype, size_t row_bytes) {
+  return IsQuantized(dtype) ? row_bytes : RoundUp(row_bytes, kBlockAlign);
+}
+
 struct CellBlockLayout {
   DType dtype = DType::kF32;
   int32_t head_dim = 0;
@@ -61,7 +67,7 @@ inline CellBlockLayout MakeCellBlockLayout(DType dtype, int32_t head_dim, int32_
     l.head_stride = l.row_stride * static_cast<size_t>(head_dim);
   } else {
     l.row_bytes = RowBytes(dtype, head_dim);
-    l.row_stride = IsQuantized(dtype) ? l.row_bytes : RoundUp(l.row_bytes, kBlockAlign);
+    l.row_stride = RowStride(dtype, l.row_bytes);
     l.head_stride = RoundUp(l.row_stride * static_cast<size_t>(cells), kBlockAlign);
   }
   l.bytes = l.head_stride * static_cast<size_t>(kv_heads);
@@ -131,7 +137,7 @@ inline SequenceBlockLayout MakeSequenceBlockLayout(DType dtype, int32_t head_dim
   l.batch = batch;
   l.capacity = capacity;
   l.row_bytes = RowBytes(dtype, head_dim);
-  l.row_stride = IsQuantized(dtype) ? l.row_bytes : RoundUp(l.row_bytes, kBlockAlign);
+  l.row_stride = RowStride(dtype, l.row_bytes);
   l.head_stride = RoundUp(l.row_stride * static_cast<size_t>(capacity), kBlockAlign);
   l.batch_stride = l.head_stride * static_cast<size_t>(heads);
   l.bytes = l.batch_stride * static_cast<size_t>(batch);

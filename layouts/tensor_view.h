@@ -8,6 +8,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <initializer_list>
 
 #include "layouts/dtype.h"
@@ -48,6 +49,20 @@ inline bool HasPackedRows(const TensorView& v) { return v.nb[0] == BlockBytes(v.
 inline void* RowPtr(const TensorView& v, int64_t i1, int64_t i2 = 0, int64_t i3 = 0) {
   return static_cast<char*>(v.data) + static_cast<size_t>(i1) * v.nb[1] +
          static_cast<size_t>(i2) * v.nb[2] + static_cast<size_t>(i3) * v.nb[3];
+}
+
+// Element (i0, i1) of a float-typed view (f32, f16 or bf16) as f32; any alignment.
+inline float ElementAsF32(const TensorView& v, int64_t i0, int64_t i1) {
+  const char* p = static_cast<const char*>(v.data) + static_cast<size_t>(i1) * v.nb[1] +
+                  static_cast<size_t>(i0) * v.nb[0];
+  if (v.dtype == DType::kF32) {
+    float f;
+    std::memcpy(&f, p, sizeof(f));
+    return f;
+  }
+  uint16_t h;
+  std::memcpy(&h, p, sizeof(h));
+  return v.dtype == DType::kF16 ? F16ToF32(h) : BF16ToF32(h);
 }
 
 }  // namespace kv
