@@ -35,7 +35,7 @@ class [[nodiscard]] Status {
   char message_[kMaxMessage] = {};
 };
 
-// Shorthands for the common codes.
+// Returns the Status of `expr` from the enclosing function when it is an error.
 #define KV_RETURN_IF_ERROR(expr)             \
   do {                                       \
     ::kv::Status kv_status_ = (expr);        \
