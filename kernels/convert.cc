@@ -16,7 +16,10 @@
 //
 // Memory traffic: ConvertRow reads n * src_size bytes and writes RowBytes(dst, n); nothing else.
 // No heap allocation: strided sources and row tails go through small stack buffers.
+#include <algorithm>
+#include <cmath>
 #include <cstring>
+#include <limits>
 
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "kernels/convert.cc"
@@ -212,58 +215,89 @@ void F32Copy(const void* src, void* dst, int64_t n) {
   std::memcpy(dst, src, static_cast<size_t>(n) * sizeof(float));
 }
 
-// Largest |x| of the 32 elements at src.
-// NaN lanes as 0: the reference's fmax and `<` skip NaN, while x86 max/min propagate it
-// depending on operand order. Only non-finite input reaches this (layouts/quant.h SafeScaled).
-HWY_INLINE hn::Vec<DF> WithoutNaN(hn::Vec<DF> v) { return hn::IfThenElseZero(hn::Eq(v, v), v); }
+// ---- q8_0 / q4_0 ---------------------------------------------------------------------------
+//
+// Rows are quantized kGroup blocks at a time, one block per lane: the per-block maxima are folded
+// into the lanes of one vector (PairFold below) so that the division chain d = max / c, 1 / d and
+// the f16 conversion of d run once per group, not once per block. The codes then use the
+// reference's f32 operations in its order. Blocks the fast path cannot take exactly go through the
+// scalar reference on an f32 copy, identical by construction: any NaN or infinity in the group
+// (the reference's fmax skips NaN and its codes need SafeScaled) and a subnormal scale d (1/d loses
+// precision or overflows; layouts/quant.h). Both are rare and never occur for finite activations
+// of ordinary size.
+//
+// Why the fast path needs no clamp: for finite x with |x| <= amax and a normal d, |x * (1/d)| <=
+// 127 * (1 + 4 * 2^-24) < 127.5 (q8_0) and <= 8 * (1 + 4 * 2^-24) (q4_0), so SafeScaled would
+// change nothing.
 
-template <class S>
-HWY_INLINE float BlockAmax(const typename S::T* src) {
-  const DF df;
-  const size_t N = hn::Lanes(df);
-  auto vmax = hn::Zero(df);
-  for (size_t k = 0; k < 32; k += N) vmax = hn::Max(vmax, hn::Abs(WithoutNaN(S::Load(src + k))));
-  return hn::GetLane(hn::MaxOfLanes(df, vmax));
+constexpr size_t kGroup = hn::MaxLanes(DF());  // blocks per scale pass
+static_assert(!HWY_HAVE_SCALABLE,
+              "the block-to-lane fold needs a lane count known at compile time");
+static_assert(kGroup <= 16, "q4_0 packs elements j and j + 16 of a block within one vector");
+
+// One fold step over two vectors whose lanes are split into equal groups, each group holding
+// partial results of one block (lo: the first blocks, hi: the next ones). Returns a vector with
+// twice the groups at half the size, lo's in the lower half and hi's in the upper, block order
+// kept: lane i of the lower half combines lanes 2i and 2i + 1 of lo (which share a group).
+template <class Op, class V>
+HWY_INLINE V PairFold(V lo, V hi, Op op) {
+#if HWY_TARGET == HWY_SCALAR
+  return op(lo, hi);  // never called: one lane is one block already
+#else
+  const hn::DFromV<V> d;
+  return op(hn::ConcatEven(d, hi, lo), hn::ConcatOdd(d, hi, lo));
+#endif
 }
 
-// roundf (round half away from zero) to int: trunc(p + copysign(0.49999997f, p)). Adding the
-// float just below 0.5 is exact for every tie (x.5 + 0.49999997 rounds to x + 1 under round to
-// nearest even) and never carries 0.49999997 up (0.5 would); checked against std::roundf for every
-// f32 in [0, 2^24] (|p| <= 127 here). ConvertTo truncates.
-// layouts/quant.h SafeScaled: NaN -> 0, clamped to [lo, hi] (a no-op for finite input).
-HWY_INLINE hn::Vec<DF> SafeScaled(hn::Vec<DF> p, float lo, float hi) {
-  const DF df;
-  const auto finite_or_inf = hn::IfThenElseZero(hn::Eq(p, p), p);
-  return hn::Min(hn::Max(finite_or_inf, hn::Set(df, lo)), hn::Set(df, hi));
-}
-
-HWY_INLINE hn::Vec<DI32> RoundHalfAway(hn::Vec<DF> p) {
-  const DF df;
-  const auto sign = hn::And(p, hn::Set(df, -0.0f));
-  return hn::ConvertTo(DI32(), hn::Add(p, hn::Or(sign, hn::Set(df, 0.49999997f))));
-}
-
-// Blocks per group whose scales are computed together in vectors (one lane per block): the
-// division chain amax -> d -> 1/d -> f16 is long, lanes make it one pass per group.
-constexpr int64_t kScaleGroup = 32;
-
-// d = amax / 127 (or max / -8), id = 1/d or 0, and the f16 bits of d, for `count` blocks; lanes
-// past `count` read the zero padding of `num`.
-HWY_INLINE void BlockScales(const float* num, float divisor, int64_t count, float* id,
-                            uint16_t* dh) {
-  const hn::CappedTag<float, 8> df;  // a 128-element row has 4 blocks; narrow divisions are faster
-  const size_t N = hn::Lanes(df);
-  for (size_t k = 0; k < static_cast<size_t>(count); k += N) {
-    const auto d = hn::Div(hn::LoadU(df, num + k), hn::Set(df, divisor));
-    const auto inv = hn::IfThenElseZero(hn::Ne(d, hn::Zero(df)), hn::Div(hn::Set(df, 1.0f), d));
-    hn::StoreU(inv, df, id + k);
-    using DS = decltype(df);
-    StoreU16<hn::RebindToUnsigned<DS>>(F16FromF32Soft<DS>(d), dh + k);
+// Folds the leaf vectors of kBlocks consecutive blocks starting at `first` (leaf(b): a vector of
+// partial results of block b) into one vector of kBlocks lane groups. With kBlocks == kGroup every
+// lane holds one block's result: log2(kGroup) fold steps for the whole group instead of a
+// horizontal reduction per block.
+template <size_t kBlocks, class Leaf, class Fold>
+HWY_INLINE auto FoldBlocks(size_t first, const Leaf& leaf, const Fold& fold) {
+  if constexpr (kBlocks == 1) {
+    return leaf(first);
+  } else {
+    return fold(FoldBlocks<kBlocks / 2>(first, leaf, fold),
+                FoldBlocks<kBlocks / 2>(first + kBlocks / 2, leaf, fold));
   }
 }
 
-// A block whose scale is subnormal (1/d overflows; layouts/quant.h) goes through the reference on
-// an f32 copy: rare, and identical to the reference by construction.
+struct MaxOp {
+  template <class V>
+  HWY_INLINE V operator()(V a, V b) const {
+    return hn::Max(a, b);
+  }
+};
+struct MinOp {
+  template <class V>
+  HWY_INLINE V operator()(V a, V b) const {
+    return hn::Min(a, b);
+  }
+};
+
+// |x| as integer bits: ordered like |x| for finite values, and above every finite value for
+// infinities (0x7F800000) and NaN (> 0x7F800000), which a float max would drop or propagate
+// depending on operand order.
+HWY_INLINE hn::Vec<DI32> AbsBits(hn::Vec<DF> v) {
+  return hn::And(hn::BitCast(DI32(), v), hn::Set(DI32(), 0x7FFFFFFF));
+}
+
+// Lanes whose scale d takes the reference path: subnormal and nonzero.
+HWY_INLINE hn::Mask<DF> SubnormalScale(hn::Vec<DF> d) {
+  const DF df;
+  const auto a = hn::Abs(d);
+  return hn::And(hn::Lt(a, hn::Set(df, 1.1754944e-38f)), hn::Gt(a, hn::Zero(df)));
+}
+
+// Rounded integer-valued lanes (|t| < 2^22) to their low 8 bits: adding 1.5 * 2^23 puts t, in two's
+// complement, in the low mantissa bits (exact for such t).
+HWY_INLINE hn::Vec<hn::Rebind<uint8_t, DF>> LowByte(hn::Vec<DF> t) {
+  const DF df;
+  const auto bits = hn::BitCast(DU32(), hn::Add(t, hn::Set(df, 12582912.0f)));
+  return hn::TruncateTo(hn::Rebind<uint8_t, DF>(), bits);
+}
+
 template <class S, class Quantize>
 HWY_NOINLINE void QuantizeBlockViaReference(const typename S::T* src, void* block,
                                             Quantize quantize) {
@@ -273,106 +307,160 @@ HWY_NOINLINE void QuantizeBlockViaReference(const typename S::T* src, void* bloc
   quantize(x, block);
 }
 
-template <class S>
-void Q8Row(const void* src_v, void* dst_v, int64_t n) {
+// 1/d for each lane, or NaN where the block takes the reference path (1/d is never NaN: d is
+// finite there); and the f16 bits of d.
+HWY_INLINE void StoreScales(hn::Vec<DF> d, hn::Mask<DF> reference, float* id, uint16_t* dh) {
   const DF df;
-  const hn::Rebind<int8_t, DF> d8;
-  const size_t N = hn::Lanes(df);
+  const auto inv = hn::IfThenElseZero(hn::Ne(d, hn::Zero(df)), hn::Div(hn::Set(df, 1.0f), d));
+  hn::Store(hn::IfThenElse(hn::Or(reference, SubnormalScale(d)),
+                           hn::Set(df, std::numeric_limits<float>::quiet_NaN()), inv),
+            df, id);
+  StoreU16(F16FromF32Soft(d), dh);
+}
+
+// q8_0: d = amax / 127, q = roundf(x * (1/d)). roundf (half away from zero) is
+// trunc(p + copysign(0.49999997f, p)): adding the float just below 0.5 is exact for every tie
+// (x.5 + 0.49999997 rounds to x + 1 under round to nearest even) and never carries 0.49999997 up
+// (0.5 would); checked against std::roundf for every f32 in [0, 2^24].
+struct Q8Kind {
+  static constexpr size_t kBlockBytes = sizeof(BlockQ8_0);
+  static constexpr void (*kReference)(const float*, void*) = &QuantizeBlockQ8_0;
+
+  // Scales of the `count` <= kGroup blocks at src.
+  template <class S>
+  static HWY_INLINE void Scales(const typename S::T* src, size_t count, float* id, uint16_t* dh) {
+    const DF df;
+    const DI32 di;
+    constexpr size_t N = hn::MaxLanes(DF());
+    const auto leaf = [&](size_t b) {
+      if (b >= count) return hn::Zero(di);
+      auto m = AbsBits(S::Load(src + 32 * b));
+      for (size_t k = N; k < 32; k += N) m = hn::Max(m, AbsBits(S::Load(src + 32 * b + k)));
+      return m;
+    };
+    const auto fold = [](hn::Vec<DI32> lo, hn::Vec<DI32> hi) { return PairFold(lo, hi, MaxOp()); };
+    const auto amax_bits = FoldBlocks<kGroup>(0, leaf, fold);
+    const auto nonfinite = hn::RebindMask(df, hn::Gt(amax_bits, hn::Set(di, 0x7F7FFFFF)));
+    StoreScales(hn::Div(hn::BitCast(df, amax_bits), hn::Set(df, 127.0f)), nonfinite, id, dh);
+  }
+
+  // The codes of the block at src, given vid = 1/d in every lane.
+  template <class S>
+  static HWY_INLINE void Codes(const typename S::T* src, hn::Vec<DF> vid, void* block) {
+    const DF df;
+    for (size_t k = 0; k < 32; k += hn::Lanes(df)) {
+      const auto p = KeepRounded(hn::Mul(S::Load(src + k), vid));
+      const auto half = hn::Or(hn::And(p, hn::Set(df, -0.0f)), hn::Set(df, 0.49999997f));
+      hn::StoreU(LowByte(hn::Trunc(hn::Add(p, half))), hn::Rebind<uint8_t, DF>(),
+                 reinterpret_cast<uint8_t*>(Q8Codes(block)) + k);
+    }
+  }
+};
+
+// q4_0: m = the first element of largest magnitude (strict < in the reference), d = m / -8,
+// q = min(15, trunc(x * (1/d) + 8.5)). m comes from the block's max and min: if one has the larger
+// magnitude, every element of that magnitude has its sign; only a tie (+a and -a both present)
+// needs the first occurrence, found by a scan. All zero: m = +0 (so d = -0, as in the reference).
+struct Q4Kind {
+  static constexpr size_t kBlockBytes = sizeof(BlockQ4_0);
+  static constexpr void (*kReference)(const float*, void*) = &QuantizeBlockQ4_0;
+
+  template <class S>
+  static HWY_INLINE void Scales(const typename S::T* src, size_t count, float* id, uint16_t* dh) {
+    const DF df;
+    const DI32 di;
+    constexpr size_t N = hn::MaxLanes(DF());
+    using V = hn::Vec<DF>;
+    struct MinMax {
+      V lo, hi;
+    };
+    auto abs_bits = hn::Zero(di);  // the group's largest |x| bits, for the non-finite check
+    const auto leaf = [&](size_t b) {
+      if (b >= count) return MinMax{hn::Zero(df), hn::Zero(df)};
+      MinMax r{S::Load(src + 32 * b), S::Load(src + 32 * b)};
+      abs_bits = hn::Max(abs_bits, AbsBits(r.lo));
+      for (size_t k = N; k < 32; k += N) {
+        const auto v = S::Load(src + 32 * b + k);
+        abs_bits = hn::Max(abs_bits, AbsBits(v));
+        r.lo = hn::Min(r.lo, v);
+        r.hi = hn::Max(r.hi, v);
+      }
+      return r;
+    };
+    const auto fold = [](MinMax a, MinMax b) {
+      return MinMax{PairFold(a.lo, b.lo, MinOp()), PairFold(a.hi, b.hi, MaxOp())};
+    };
+    const MinMax mm = FoldBlocks<kGroup>(0, leaf, fold);
+    const bool nonfinite = hn::GetLane(hn::MaxOfLanes(di, abs_bits)) > 0x7F7FFFFF;
+    const auto neg_lo = hn::Neg(mm.lo);
+    const auto signed_max = hn::IfThenElse(hn::Gt(neg_lo, mm.hi), mm.lo, mm.hi);
+    auto m = hn::IfThenElseZero(hn::Ne(signed_max, hn::Zero(df)), signed_max);
+    const auto tie = hn::And(hn::Eq(neg_lo, mm.hi), hn::Ne(mm.hi, hn::Zero(df)));
+    if (!nonfinite && !hn::AllFalse(df, tie)) m = FirstOfLargestMagnitude<S>(src, count, m, tie);
+    StoreScales(hn::Div(m, hn::Set(df, -8.0f)), hn::FirstN(df, nonfinite ? kGroup : 0), id, dh);
+  }
+
+  // For the lanes in `tie`: the block's first element whose magnitude is |m|.
+  template <class S>
+  static HWY_NOINLINE hn::Vec<DF> FirstOfLargestMagnitude(const typename S::T* src, size_t count,
+                                                          hn::Vec<DF> m, hn::Mask<DF> tie) {
+    const DF df;
+    HWY_ALIGN float ms[kGroup];
+    HWY_ALIGN float is_tie[kGroup];
+    hn::Store(m, df, ms);
+    hn::Store(hn::IfThenElseZero(tie, hn::Set(df, 1.0f)), df, is_tie);
+    for (size_t b = 0; b < count; ++b) {
+      if (is_tie[b] == 0.0f) continue;
+      for (int j = 0; j < 32; ++j) {
+        const float x = LoadAsF32(src + 32 * b, S::kDType, j);
+        if (std::fabs(x) == std::fabs(ms[b])) {
+          ms[b] = x;
+          break;
+        }
+      }
+    }
+    return hn::Load(df, ms);
+  }
+
+  template <class S>
+  static HWY_INLINE void Codes(const typename S::T* src, hn::Vec<DF> vid, void* block) {
+    const DF df;
+    const auto code = [&](hn::Vec<DF> x) {
+      const auto p = KeepRounded(hn::Mul(x, vid));
+      return hn::Min(hn::Trunc(hn::Add(p, hn::Set(df, 8.5f))), hn::Set(df, 15.0f));
+    };
+    for (size_t j = 0; j < 16; j += hn::Lanes(df)) {
+      // Element j in the low nibble, j + 16 in the high one; the sum is an exact integer.
+      const auto packed =
+          hn::Add(hn::Mul(code(S::Load(src + 16 + j)), hn::Set(df, 16.0f)), code(S::Load(src + j)));
+      hn::StoreU(LowByte(packed), hn::Rebind<uint8_t, DF>(), Q4Codes(block) + j);
+    }
+  }
+};
+
+// A row of n elements (n % 32 == 0) to q8_0 or q4_0, kChunk blocks at a time in two passes: every
+// group's scales first, so that the division chains of consecutive groups overlap instead of
+// stalling the codes, then the codes (the chunk's source, 16 KiB of f32 at most, is still in L1).
+template <class S, class Kind>
+void QuantizedRow(const void* src_v, void* dst_v, int64_t n) {
+  constexpr size_t kChunk = 4 * kGroup;
   const auto* src = static_cast<const typename S::T*>(src_v);
   auto* out = static_cast<char*>(dst_v);
-  HWY_ALIGN float amax[kScaleGroup + HWY_MAX_BYTES / sizeof(float)];
-  HWY_ALIGN float id[kScaleGroup + HWY_MAX_BYTES / sizeof(float)];
-  HWY_ALIGN uint16_t dh[kScaleGroup + HWY_MAX_BYTES / sizeof(float)];
-  const int64_t blocks = n / 32;
-  for (int64_t g0 = 0; g0 < blocks; g0 += kScaleGroup) {
-    const int64_t count = blocks - g0 < kScaleGroup ? blocks - g0 : kScaleGroup;
-    for (int64_t b = 0; b < count; ++b) amax[b] = BlockAmax<S>(src + 32 * b);
-    for (size_t b = static_cast<size_t>(count); b < static_cast<size_t>(count) + N; ++b)
-      amax[b] = 0.0f;
-    BlockScales(amax, 127.0f, count, id, dh);
-    for (int64_t b = 0; b < count; ++b, src += 32, out += sizeof(BlockQ8_0)) {
-      if (!std::isfinite(id[b])) {
-        QuantizeBlockViaReference<S>(src, out, &QuantizeBlockQ8_0);
+  HWY_ALIGN float id[kChunk];
+  HWY_ALIGN uint16_t dh[kChunk];
+  const size_t blocks = static_cast<size_t>(n) / 32;
+  for (size_t c0 = 0; c0 < blocks; c0 += kChunk) {
+    const size_t chunk = blocks - c0 < kChunk ? blocks - c0 : kChunk;
+    for (size_t g = 0; g < chunk; g += kGroup)
+      Kind::template Scales<S>(src + 32 * g, chunk - g < kGroup ? chunk - g : kGroup, id + g,
+                               dh + g);
+    for (size_t b = 0; b < chunk; ++b, src += 32, out += Kind::kBlockBytes) {
+      if (std::isnan(id[b])) {
+        QuantizeBlockViaReference<S>(src, out, Kind::kReference);
         continue;
       }
       SetBlockScale(out, dh[b]);
-      const auto vid = hn::Set(df, id[b]);
-      for (size_t k = 0; k < 32; k += N) {
-        const auto p = KeepRounded(hn::Mul(S::Load(src + k), vid));
-        hn::StoreU(hn::DemoteTo(d8, RoundHalfAway(SafeScaled(p, -127.0f, 127.0f))), d8,
-                   Q8Codes(out) + k);
-      }
-    }
-  }
-}
-
-// q4_0's signed maximum: the first element of largest magnitude (strict < in the reference).
-// From the block's max and min: if one has the larger magnitude, every element of that magnitude
-// has its sign; only a tie (+a and -a both present) needs the first occurrence. All zero: +0.
-template <class S>
-HWY_INLINE float BlockSignedMax(const typename S::T* src) {
-  const DF df;
-  const size_t N = hn::Lanes(df);
-  auto vmax = WithoutNaN(S::Load(src));
-  auto vmin = vmax;
-  for (size_t k = N; k < 32; k += N) {
-    const auto v = WithoutNaN(S::Load(src + k));
-    vmax = hn::Max(vmax, v);
-    vmin = hn::Min(vmin, v);
-  }
-  const float hi = hn::GetLane(hn::MaxOfLanes(df, vmax));
-  const float lo = hn::GetLane(hn::MinOfLanes(df, vmin));
-  if (hi > -lo) return hi;
-  if (-lo > hi) return lo;
-  if (hi == 0.0f) return 0.0f;
-  for (int j = 0; j < 32; ++j) {
-    const float x = LoadAsF32(src, S::kDType, j);
-    if (x == hi || x == lo) return x;
-  }
-  return hi;  // unreachable
-}
-
-template <class S>
-void Q4Row(const void* src_v, void* dst_v, int64_t n) {
-  const DF df;
-  const DI32 di;
-  const hn::Rebind<uint8_t, DF> d8;
-  const hn::CappedTag<uint8_t, 16> dp;
-  const size_t N = hn::Lanes(df);
-  const size_t NP = hn::Lanes(dp);
-  const auto* src = static_cast<const typename S::T*>(src_v);
-  auto* out = static_cast<char*>(dst_v);
-  HWY_ALIGN float max[kScaleGroup + HWY_MAX_BYTES / sizeof(float)];
-  HWY_ALIGN float id[kScaleGroup + HWY_MAX_BYTES / sizeof(float)];
-  HWY_ALIGN uint16_t dh[kScaleGroup + HWY_MAX_BYTES / sizeof(float)];
-  const int64_t blocks = n / 32;
-  for (int64_t g0 = 0; g0 < blocks; g0 += kScaleGroup) {
-    const int64_t count = blocks - g0 < kScaleGroup ? blocks - g0 : kScaleGroup;
-    for (int64_t b = 0; b < count; ++b) max[b] = BlockSignedMax<S>(src + 32 * b);
-    for (size_t b = static_cast<size_t>(count); b < static_cast<size_t>(count) + N; ++b) {
-      max[b] = 0.0f;
-    }
-    BlockScales(max, -8.0f, count, id, dh);
-    for (int64_t b = 0; b < count; ++b, src += 32, out += sizeof(BlockQ4_0)) {
-      if (!std::isfinite(id[b])) {
-        QuantizeBlockViaReference<S>(src, out, &QuantizeBlockQ4_0);
-        continue;
-      }
-      SetBlockScale(out, dh[b]);
-      const auto vid = hn::Set(df, id[b]);
-      HWY_ALIGN uint8_t q[32];
-      for (size_t k = 0; k < 32; k += N) {
-        const auto p = KeepRounded(hn::Mul(S::Load(src + k), vid));
-        const auto safe = SafeScaled(p, -8.5f, 8.0f);
-        const auto qi =
-            hn::Min(hn::ConvertTo(di, hn::Add(safe, hn::Set(df, 8.5f))), hn::Set(di, 15));
-        hn::StoreU(hn::DemoteTo(d8, qi), d8, q + k);
-      }
-      for (size_t j = 0; j < 16; j += NP) {
-        const auto lo = hn::LoadU(dp, q + j);
-        const auto hi = hn::LoadU(dp, q + 16 + j);
-        hn::StoreU(hn::Or(lo, hn::ShiftLeft<4>(hi)), dp, Q4Codes(out) + j);
-      }
+      Kind::template Codes<S>(src, hn::Set(DF(), id[b]), out);
     }
   }
 }
@@ -389,9 +477,9 @@ RowFn PickFromSrc(DType dst) {
     case DType::kBF16:
       return &FloatRow<S, BF16T>;
     case DType::kQ8_0:
-      return &Q8Row<S>;
+      return &QuantizedRow<S, Q8Kind>;
     case DType::kQ4_0:
-      return &Q4Row<S>;
+      return &QuantizedRow<S, Q4Kind>;
   }
   return nullptr;
 }
@@ -578,6 +666,28 @@ void ScatterToCellsImpl(const TensorView& src, std::span<const int32_t> cells,
     return;
   }
   const int64_t hd = layout.head_dim;
+  const size_t row_bytes = RowBytes(layout.dtype, hd);
+  // Quantized rows of one token are quantized together when the source holds its heads back to
+  // back: a 128-dim row is only 4 blocks, and the scale pass works on kGroup blocks at a time. The
+  // codes go to a stack stage first and are copied to the heads' rows from L1.
+  constexpr size_t kStageBytes = 64 * sizeof(BlockQ8_0);
+  const size_t stage_rows = kStageBytes / row_bytes;
+  if (IsQuantized(layout.dtype) && packed &&
+      src.nb[1] == static_cast<size_t>(hd) * BlockBytes(src.dtype) && stage_rows >= 2) {
+    HWY_ALIGN char stage[kStageBytes];
+    for (size_t t = 0; t < cells.size(); ++t) {
+      const char* st = static_cast<const char*>(src.data) + t * src.nb[2];
+      for (int32_t h0 = 0; h0 < layout.kv_heads; h0 += static_cast<int32_t>(stage_rows)) {
+        const int32_t rows =
+            std::min<int32_t>(static_cast<int32_t>(stage_rows), layout.kv_heads - h0);
+        fn(st + h0 * src.nb[1], stage, hd * rows);
+        for (int32_t r = 0; r < rows; ++r)
+          std::memcpy(block + CellRowOffset(layout, cells[t], h0 + r), stage + r * row_bytes,
+                      row_bytes);
+      }
+    }
+    return;
+  }
   for (size_t t = 0; t < cells.size(); ++t) {
     const char* st = static_cast<const char*>(src.data) + t * src.nb[2];
     for (int32_t h = 0; h < layout.kv_heads; ++h) {

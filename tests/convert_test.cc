@@ -151,7 +151,9 @@ std::vector<float> MakeFloats(std::mt19937& rng, size_t n, bool special) {
 
 // Finite values for quantization: each 32-block has its own magnitude, plus blocks that hit the
 // rounding ties (amax 127 -> id 1; q4 max -8 -> id 1), zero blocks and equal-magnitude maxima.
-std::vector<float> MakeQuantFloats(std::mt19937& rng, size_t n) {
+// With `nonfinite`, every fifth block also holds a NaN or an infinity (the kernels send it, or its
+// whole scale group, through the reference path).
+std::vector<float> MakeQuantFloats(std::mt19937& rng, size_t n, bool nonfinite = false) {
   const float scales[] = {1e-6f, 1e-2f, 1.0f, 50.0f, 3e4f, 7e3f};  // finite in f16 too
   std::uniform_real_distribution<float> u(-1.0f, 1.0f);
   std::vector<float> v(n);
@@ -177,6 +179,15 @@ std::vector<float> MakeQuantFloats(std::mt19937& rng, size_t n) {
       x[rng() % 32] = 2.0f * scales[b % 6];
     } else if (kind == 5) {  // tiny values: the scale is an f16 subnormal or zero
       for (int j = 0; j < 32; ++j) x[j] = u(rng) * 1e-9f;
+    } else if (kind == 6 && b % 16 == 6) {  // d an f32 subnormal: 1/d finite, or inf
+      const float tiny = b % 32 == 6 ? 1e-36f : 1e-41f;
+      for (int j = 0; j < 32; ++j) x[j] = u(rng) * tiny;
+    }
+    if (nonfinite && b % 5 == 2) {
+      const float specials[] = {std::numeric_limits<float>::quiet_NaN(),
+                                std::numeric_limits<float>::infinity(),
+                                -std::numeric_limits<float>::infinity()};
+      x[rng() % 32] = specials[rng() % 3];
     }
   }
   return v;
@@ -296,8 +307,9 @@ TEST_P(ConvertTest, ConvertRowAllPairs) {
           const size_t soff = static_cast<size_t>(rep) * BlockBytes(src);  // 0, 1, 2 elements
           const size_t doff =
               quant ? static_cast<size_t>(rep) : static_cast<size_t>(rep) * BlockBytes(dst);
-          const std::vector<float> x = quant ? MakeQuantFloats(rng, static_cast<size_t>(n))
-                                             : MakeFloats(rng, static_cast<size_t>(n), true);
+          const std::vector<float> x =
+              quant ? MakeQuantFloats(rng, static_cast<size_t>(n), /*nonfinite=*/rep == 2)
+                    : MakeFloats(rng, static_cast<size_t>(n), true);
           const std::vector<uint8_t> enc = Encode(x, src, rng, !quant);
           std::vector<uint8_t> sbuf(enc.size() + 64);
           std::memcpy(sbuf.data() + soff, enc.data(), enc.size());
