@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "hwy/aligned_allocator.h"
 #include "hwy/targets.h"
 #include "hwy/tests/hwy_gtest.h"
 #include "layouts/quant.h"
@@ -467,6 +468,38 @@ TEST_P(ConvertTest, ScatterToCells) {
               << (c.cells_fastest ? " cells-fastest" : " plain") << " head_dim=" << c.head_dim
               << " src_kind=" << src_kind << " n=" << n;
         }
+      }
+    }
+  }
+}
+
+// A prefill-sized batch (>= 256 KiB written) takes the streaming-store path for float rows; a
+// block that is not 64-byte aligned takes plain stores row by row. Both must match the reference.
+TEST_P(ConvertTest, ScatterToCellsLargeBatch) {
+  std::mt19937 rng(77);
+  const int32_t kv_heads = 8, head_dim = 128, n_cells = 1024, n = 160;  // f16: 320 KiB
+  std::vector<int32_t> perm(n_cells);
+  std::iota(perm.begin(), perm.end(), 0);
+  std::shuffle(perm.begin(), perm.end(), rng);
+  const std::vector<int32_t> cells(perm.begin(), perm.begin() + n);
+  for (DType dst : kAllTypes) {
+    const CellBlockLayout layout = MakeCellBlockLayout(dst, head_dim, kv_heads, n_cells, false);
+    for (DType src_t : kFloatTypes) {
+      const size_t elems = static_cast<size_t>(head_dim) * kv_heads * n;
+      const std::vector<float> x =
+          IsQuantized(dst) ? MakeQuantFloats(rng, elems) : MakeFloats(rng, elems, true);
+      std::vector<uint8_t> sbuf = Encode(x, src_t, rng, !IsQuantized(dst));
+      const TensorView src = MakeView(sbuf.data(), src_t, {head_dim, kv_heads, n});
+      for (size_t misalign : {size_t{0}, size_t{32}}) {
+        hwy::AlignedFreeUniquePtr<uint8_t[]> g = hwy::AllocateAligned<uint8_t>(layout.bytes + 64);
+        std::vector<uint8_t> w(layout.bytes);
+        for (size_t i = 0; i < layout.bytes; ++i) {
+          g[misalign + i] = w[i] = static_cast<uint8_t>(i * 131 + 7);
+        }
+        ScatterToCells(src, cells, layout, g.get() + misalign);
+        ScatterToCellsRef(src, cells, layout, w.data());
+        ASSERT_TRUE(SameBytes(g.get() + misalign, w.data(), layout.bytes))
+            << DTypeName(src_t) << " -> " << DTypeName(dst) << " misalign=" << misalign;
       }
     }
   }
