@@ -29,6 +29,9 @@ void RowToF32Ref(const void* src, DType src_dtype, float* dst, int64_t n);
 // element size), token i goes to cell cells[i] of `block`, every head. Plain or cells-fastest
 // layout. Preconditions: src.ne[0] == layout.head_dim, src.ne[1] == layout.kv_heads,
 // src.ne[2] == cells.size(), every cell in [0, layout.cells); cells need not be contiguous or sorted.
+// A call that writes >= 256 KiB of float rows that are whole, 64-byte aligned cache lines writes
+// them with non-temporal stores (no read for ownership; the rows leave the caches), ordered by a
+// store fence before it returns. Smaller calls (decode) use plain stores.
 void ScatterToCells(const TensorView& src, std::span<const int32_t> cells, const CellBlockLayout& layout,
                     void* block);
 void ScatterToCellsRef(const TensorView& src, std::span<const int32_t> cells, const CellBlockLayout& layout,
