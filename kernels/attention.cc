@@ -175,7 +175,7 @@ HWY_INLINE float BlockScale(const void* row, int64_t blk) {
 // --------------------------------------------------------------------------------------
 
 constexpr int64_t kScaleStride = kBlockCells + kRowPad;
-constexpr int64_t kPrefetchCells = 32;
+constexpr int64_t kPrefetchCells = 8;
 constexpr int64_t kMaxQBlocks = kAttentionMaxHeadDim / 32;
 
 // The f16 block scales of n quantized rows, converted with vector f16 -> f32 (exact) instead of
