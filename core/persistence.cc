@@ -135,6 +135,25 @@ Status ReadFile(const char* path, Buffer* out, size_t* size) {
   return Status::Ok();
 }
 
+// Every *File function is its in-memory counterpart plus the same file I/O; these hold that I/O
+// once. `serialize(std::vector<uint8_t>*)` fills the bytes that are then written atomically.
+template <class Serialize>
+Status SaveToFile(const char* path, Serialize&& serialize) {
+  std::vector<uint8_t> bytes;
+  KV_RETURN_IF_ERROR(serialize(&bytes));
+  return WriteFileAtomically(path, bytes);
+}
+
+// Reads the whole file, then `load(std::span<const uint8_t>)` loads its bytes. The caller checks
+// its cache pointer first, so a null cache is reported before the path is looked at.
+template <class Load>
+Status LoadFromFile(const char* path, Load&& load) {
+  Buffer buf;
+  size_t size = 0;
+  KV_RETURN_IF_ERROR(ReadFile(path, &buf, &size));
+  return load(std::span<const uint8_t>(buf.get(), size));
+}
+
 }  // namespace
 
 // ---- the causal family
@@ -540,17 +559,13 @@ Status LoadCache(std::span<const uint8_t> bytes, Cache* cache, int seq) {
 }
 
 Status SaveCacheFile(const Cache& cache, const char* path, int seq) {
-  std::vector<uint8_t> bytes;
-  KV_RETURN_IF_ERROR(SaveCache(cache, &bytes, seq));
-  return WriteFileAtomically(path, bytes);
+  return SaveToFile(path, [&](std::vector<uint8_t>* out) { return SaveCache(cache, out, seq); });
 }
 
 Status LoadCacheFile(const char* path, Cache* cache, int seq) {
   if (cache == nullptr) return Status::Error(Code::kInvalidArgument, "LoadCacheFile: null cache");
-  Buffer buf;
-  size_t size = 0;
-  KV_RETURN_IF_ERROR(ReadFile(path, &buf, &size));
-  return cache->Deserialize(std::span<const uint8_t>(buf.get(), size), seq);
+  return LoadFromFile(path,
+                      [&](std::span<const uint8_t> bytes) { return LoadCache(bytes, cache, seq); });
 }
 
 Status SaveCache(const WrapperCache& cache, std::vector<uint8_t>* out, int seq) {
@@ -620,17 +635,13 @@ Status LoadCache(std::span<const uint8_t> bytes, WrapperCache* cache, int seq) {
 }
 
 Status SaveCacheFile(const WrapperCache& cache, const char* path, int seq) {
-  std::vector<uint8_t> bytes;
-  KV_RETURN_IF_ERROR(SaveCache(cache, &bytes, seq));
-  return WriteFileAtomically(path, bytes);
+  return SaveToFile(path, [&](std::vector<uint8_t>* out) { return SaveCache(cache, out, seq); });
 }
 
 Status LoadCacheFile(const char* path, WrapperCache* cache, int seq) {
   if (cache == nullptr) return Status::Error(Code::kInvalidArgument, "LoadCacheFile: null cache");
-  Buffer buf;
-  size_t size = 0;
-  KV_RETURN_IF_ERROR(ReadFile(path, &buf, &size));
-  return LoadCache(std::span<const uint8_t>(buf.get(), size), cache, seq);
+  return LoadFromFile(path,
+                      [&](std::span<const uint8_t> bytes) { return LoadCache(bytes, cache, seq); });
 }
 
 Status SaveSequenceCache(const SequenceCache& cache, std::vector<uint8_t>* out) {
@@ -696,18 +707,14 @@ Status LoadSequenceCache(std::span<const uint8_t> bytes, SequenceCache* cache) {
 }
 
 Status SaveSequenceCacheFile(const SequenceCache& cache, const char* path) {
-  std::vector<uint8_t> bytes;
-  KV_RETURN_IF_ERROR(SaveSequenceCache(cache, &bytes));
-  return WriteFileAtomically(path, bytes);
+  return SaveToFile(path, [&](std::vector<uint8_t>* out) { return SaveSequenceCache(cache, out); });
 }
 
 Status LoadSequenceCacheFile(const char* path, SequenceCache* cache) {
   if (cache == nullptr)
     return Status::Error(Code::kInvalidArgument, "LoadSequenceCacheFile: null cache");
-  Buffer buf;
-  size_t size = 0;
-  KV_RETURN_IF_ERROR(ReadFile(path, &buf, &size));
-  return LoadSequenceCache(std::span<const uint8_t>(buf.get(), size), cache);
+  return LoadFromFile(
+      path, [&](std::span<const uint8_t> bytes) { return LoadSequenceCache(bytes, cache); });
 }
 
 }  // namespace kv
