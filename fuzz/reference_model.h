@@ -812,15 +812,21 @@ class WrapperCacheModel final : public CacheModel {
 struct SequenceModel {
   int max_size = 0, keep = 0, offset = 0;
   std::deque<std::pair<int, int>> held;
+  // Evictions asked for while every held token was a sink. With keep < max_size this stays 0;
+  // a test asserts it, so a model (or configuration) that cannot make room is caught.
+  int failed_evictions = 0;
 
   void EvictOldestNonSinks(int count) {
     for (int i = 0; i < count; ++i) {
+      bool evicted = false;
       for (auto it = held.begin(); it != held.end(); ++it) {
         if (it->first >= keep) {
           held.erase(it);
+          evicted = true;
           break;
         }
       }
+      if (!evicted) ++failed_evictions;
     }
   }
   // Appends n tokens with serials first_serial...; returns the serials the update shows.

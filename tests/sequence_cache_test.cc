@@ -4,14 +4,14 @@
 // h, d). A returned view is checked row by row against the storage-dtype bytes of the expected
 // tokens (converted with the scalar reference kernels::ConvertRowRef), so a check says exactly
 // which tokens the view must hold and in which order. Hand-written position lists cover each path;
-// a plain deque model covers random sequences of updates, trims, saves/restores and resets.
+// a plain deque model (kvref::SequenceModel, fuzz/reference_model.h) covers random sequences of
+// updates, trims, saves/restores and resets.
 #include "core/sequence_cache.h"
 
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cstring>
-#include <deque>
 #include <numeric>
 #include <random>
 #include <string>
@@ -20,6 +20,7 @@
 
 #include "kernels/convert.h"
 #include "layouts/kv_layout.h"
+#include "reference_model.h"
 
 namespace kv {
 namespace {
@@ -597,40 +598,8 @@ TEST(SequenceCacheState, MismatchesAreRejectedWithoutChange) {
 
 // ---- randomized against a plain deque model ---------------------------------------------------
 
-// SEMANTICS.md 11 written the obvious way: a deque of (position, serial), the sinks being the
-// tokens at positions < keep.
-struct Model {
-  int max_size = 0, keep = 0, offset = 0;
-  std::deque<std::pair<int, int>> held;
-
-  void EvictOldestNonSinks(int count) {
-    for (int i = 0; i < count; ++i) {
-      auto it =
-          std::find_if(held.begin(), held.end(), [&](const auto& e) { return e.first >= keep; });
-      ASSERT_NE(it, held.end());
-      held.erase(it);
-    }
-  }
-  std::vector<int> Update(int first_serial, int n) {
-    if (max_size > 0)
-      EvictOldestNonSinks(std::max(0, static_cast<int>(held.size()) - (max_size - 1)));
-    for (int i = 0; i < n; ++i) held.emplace_back(offset + i, first_serial + i);
-    offset += n;
-    std::vector<int> out;
-    for (const auto& e : held) out.push_back(e.second);
-    if (max_size > 0) EvictOldestNonSinks(std::max(0, static_cast<int>(held.size()) - max_size));
-    return out;
-  }
-  bool Trim(int n) {
-    if (n > static_cast<int>(held.size())) return false;
-    for (int i = 0; i < n; ++i) {
-      if (held[held.size() - 1 - i].first != offset - 1 - i) return false;
-    }
-    held.resize(held.size() - n);
-    offset -= n;
-    return true;
-  }
-};
+// The model is kvref::SequenceModel (fuzz/reference_model.h): SEMANTICS.md 11 written the obvious
+// way, a deque of (position, serial), the sinks being the tokens at positions < keep.
 
 struct RandomCase {
   int max_size, keep;
@@ -646,7 +615,7 @@ TEST_P(SequenceCacheRandomTest, MatchesDequeModel) {
                        : NewKVCache(rc.storage);
   };
   Driver d(make(), rc.storage, rc.input, Shape{32, 32, 2, 1});
-  Model model;
+  kvref::SequenceModel model;
   model.max_size = rc.max_size;
   model.keep = rc.keep;
   std::mt19937 rng(1234 + rc.max_size * 7 + rc.keep);
@@ -657,12 +626,14 @@ TEST_P(SequenceCacheRandomTest, MatchesDequeModel) {
     if (r < 60) {
       const int n = 1;
       const std::vector<int> want = model.Update(d.next_serial(), n);
+      ASSERT_EQ(model.failed_evictions, 0) << where;
       ASSERT_TRUE(d.Append(n).ok()) << where;
       d.Expect(want, where + " decode");
     } else if (r < 75) {
       const int choices[] = {2, m - 1, m, m + 1, 3 * m, static_cast<int>(rng() % (2 * m)) + 2};
       const int n = std::max(2, choices[rng() % 6]);
       const std::vector<int> want = model.Update(d.next_serial(), n);
+      ASSERT_EQ(model.failed_evictions, 0) << where;
       ASSERT_TRUE(d.Append(n).ok()) << where;
       d.Expect(want, where + " prefill " + std::to_string(n));
     } else if (r < 90) {
@@ -680,8 +651,7 @@ TEST_P(SequenceCacheRandomTest, MatchesDequeModel) {
       ASSERT_TRUE(d.cache()->RestoreState(st).ok()) << where;
     } else {
       d.cache()->Reset();
-      model.offset = 0;
-      model.held.clear();
+      model.Reset();
     }
     ASSERT_EQ(d.cache()->Offset(), model.offset) << where;
     ASSERT_EQ(d.cache()->Len(), static_cast<int>(model.held.size())) << where;
