@@ -5,6 +5,7 @@
 #include <cstdlib>
 #include <vector>
 
+#include "cache_fingerprint.h"
 #include "core/persistence.h"
 #include "decode_driver.h"
 #include "gtest/gtest.h"
@@ -16,6 +17,7 @@ namespace {
 using testing::AllCacheKinds;
 using testing::CacheKind;
 using testing::Driver;
+using testing::Fingerprint;
 
 struct FailingAllocator {
   bool fail = false;
@@ -38,15 +40,6 @@ struct FailingAllocator {
   ArenaAllocator Get() { return ArenaAllocator{&Allocate, &Release, this}; }
 };
 
-std::vector<uint8_t> Contents(const CausalCache& c) {
-  std::vector<uint8_t> s;
-  EXPECT_TRUE(SaveCache(c, &s).ok());
-  const size_t mem = c.MemoryBytes();
-  const uint8_t* m = reinterpret_cast<const uint8_t*>(&mem);
-  s.insert(s.end(), m, m + sizeof(mem));
-  return s;
-}
-
 TEST(OutOfMemory, FirstPutOfEachLayerEveryKind) {
   for (const CacheKind& kind : AllCacheKinds()) {
     SCOPED_TRACE(kind.name);
@@ -58,7 +51,7 @@ TEST(OutOfMemory, FirstPutOfEachLayerEveryKind) {
 
     // Layer 0's first Put fails: kOutOfMemory, nothing allocated, and the cache works afterwards.
     alloc.fail = true;
-    const auto empty = Contents(*cache);
+    const auto empty = Fingerprint(*cache);
     Status s = d.Prefill(cache.get(), 0, 0, 4);
     EXPECT_EQ(s.code(), Code::kOutOfMemory) << s.message();
     EXPECT_EQ(cache->MemoryBytes(), 0u + cache->MemoryBytes());  // no crash reading it
@@ -71,7 +64,7 @@ TEST(OutOfMemory, FirstPutOfEachLayerEveryKind) {
     Driver one = d;
     one.layers = 1;
     ASSERT_TRUE(one.Prefill(cache.get(), 0, 0, 4).ok());
-    const auto after_layer0 = Contents(*cache);
+    const auto after_layer0 = Fingerprint(*cache);
     EXPECT_NE(after_layer0, empty);
     alloc.fail = true;
     d.seq[0] = 0;
@@ -80,12 +73,12 @@ TEST(OutOfMemory, FirstPutOfEachLayerEveryKind) {
     b.positions = std::span<const int32_t>(d.pos.data(), 1);
     b.sequences = std::span<const int32_t>(d.seq.data(), 1);
     ASSERT_TRUE(cache->StartForward(b, false).ok());
-    const auto before_put = Contents(*cache);
+    const auto before_put = Fingerprint(*cache);
     cache->SetLayer(1);
     s = cache->Put(MakeView(d.k.data(), DType::kF32, {d.dk, d.kv_heads, 1}),
                    MakeView(d.v.data(), DType::kF32, {d.dv, d.kv_heads, 1}));
     EXPECT_EQ(s.code(), Code::kOutOfMemory);
-    EXPECT_EQ(Contents(*cache), before_put);
+    EXPECT_EQ(Fingerprint(*cache), before_put);
     alloc.fail = false;
     EXPECT_TRUE(cache
                     ->Put(MakeView(d.k.data(), DType::kF32, {d.dk, d.kv_heads, 1}),
@@ -114,9 +107,9 @@ TEST(OutOfMemory, ReserveLayersAndInitStayUsable) {
   ASSERT_TRUE(cache->Init(DType::kF16, 2, 64, d.max_batch).ok());
   const int after_init = alloc.allocations;
   alloc.fail = true;
-  const auto before = Contents(*cache);
+  const auto before = Fingerprint(*cache);
   EXPECT_EQ(cache->ReserveLayers(d.layers, d.dk, d.dv, d.kv_heads).code(), Code::kOutOfMemory);
-  EXPECT_EQ(Contents(*cache), before);
+  EXPECT_EQ(Fingerprint(*cache), before);
   alloc.fail = false;
   ASSERT_TRUE(cache->ReserveLayers(d.layers, d.dk, d.dv, d.kv_heads).ok());
   const int regions = alloc.allocations;
@@ -152,12 +145,12 @@ TEST(OutOfMemory, LoadNeedingStorageChangesNothing) {
   Driver l0 = d;
   l0.layers = 1;
   ASSERT_TRUE(l0.Prefill(dst.get(), 1, 0, 3).ok());  // layer 0 exists; layer 1 must be allocated
-  const auto before = Contents(*dst);
+  const auto before = Fingerprint(*dst);
   alloc.fail = true;
   EXPECT_EQ(LoadCache(whole, dst.get()).code(), Code::kOutOfMemory);
-  EXPECT_EQ(Contents(*dst), before);
+  EXPECT_EQ(Fingerprint(*dst), before);
   EXPECT_EQ(LoadCache(one, dst.get(), 0).code(), Code::kOutOfMemory);
-  EXPECT_EQ(Contents(*dst), before);
+  EXPECT_EQ(Fingerprint(*dst), before);
   alloc.fail = false;
   ASSERT_TRUE(LoadCache(one, dst.get(), 0).ok());
   EXPECT_TRUE(dst->CheckConsistency().ok());

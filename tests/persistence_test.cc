@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "cache_fingerprint.h"
 #include "core/crc32c.h"
 #include "decode_driver.h"
 #include "gtest/gtest.h"
@@ -27,6 +28,7 @@ namespace {
 using testing::AllCacheKinds;
 using testing::CacheKind;
 using testing::Driver;
+using testing::Fingerprint;
 using testing::kAllDTypes;
 
 // ---- CRC32C
@@ -86,16 +88,6 @@ void Fill(Driver& d, CausalCache* c) {
 
 // Everything observable about a cache's contents: its own stream (cells, positions, sequence
 // sets, rows) and its memory.
-std::vector<uint8_t> Fingerprint(const CausalCache& c, bool with_memory = true) {
-  std::vector<uint8_t> s;
-  EXPECT_TRUE(SaveCache(c, &s).ok());
-  if (!with_memory) return s;
-  const size_t mem = c.MemoryBytes();
-  const uint8_t* m = reinterpret_cast<const uint8_t*>(&mem);
-  s.insert(s.end(), m, m + sizeof(mem));
-  return s;
-}
-
 std::vector<float> ViewFloats(const TensorView& v) {
   std::vector<float> f(static_cast<size_t>(v.ne[0] * v.ne[1] * v.ne[2] * v.ne[3]));
   if (v.data != nullptr) kernels::ViewToF32(v, f.data());
@@ -594,15 +586,6 @@ void FillEncoder(EncoderCache* c, bool per_seq, DType dtype) {
   }
 }
 
-std::vector<uint8_t> EncFingerprint(const Cache& c) {
-  std::vector<uint8_t> s;
-  EXPECT_TRUE(SaveCache(c, &s).ok());
-  const size_t mem = c.MemoryBytes();
-  const uint8_t* m = reinterpret_cast<const uint8_t*>(&mem);
-  s.insert(s.end(), m, m + sizeof(mem));
-  return s;
-}
-
 // Both caches: the same cached flags and bit-identical cross-attention for every sequence.
 void ExpectSameEncoders(EncoderCache* a, EncoderCache* b, int seqs) {
   for (int s = 0; s < seqs; ++s) {
@@ -758,8 +741,8 @@ TEST(PersistenceEncoder, FailuresLeaveTheTargetUnchanged) {
     return t;
   };
   auto target = make_target();
-  const std::vector<uint8_t> before = EncFingerprint(*target);
-  auto unchanged = [&] { EXPECT_EQ(EncFingerprint(*target), before); };
+  const std::vector<uint8_t> before = Fingerprint(*target);
+  auto unchanged = [&] { EXPECT_EQ(Fingerprint(*target), before); };
 
   // Other configurations.
   EXPECT_EQ(LoadCache(bytes, MakeEncoder(true, false, 3, DType::kF16).get()).code(),
@@ -856,7 +839,7 @@ TEST(PersistenceEncoder, FailuresLeaveTheTargetUnchanged) {
     if (m.size() >= 28) ResealStream(&m);
     const Status s = LoadCache(m, target.get());
     if (!s.ok()) {
-      ASSERT_EQ(EncFingerprint(*target), before) << iter;
+      ASSERT_EQ(Fingerprint(*target), before) << iter;
       continue;
     }
     // A loaded state is a state Put could have made: it saves, loads and attends in bounds.
