@@ -154,6 +154,20 @@ Status LoadFromFile(const char* path, Load&& load) {
   return load(std::span<const uint8_t>(buf.get(), size));
 }
 
+// SaveCacheFile / LoadCacheFile for both cache types (Cache, WrapperCache): overload resolution on
+// C picks the matching SaveCache / LoadCache.
+template <class C>
+Status SaveCacheFileOf(const C& cache, const char* path, int seq) {
+  return SaveToFile(path, [&](std::vector<uint8_t>* out) { return SaveCache(cache, out, seq); });
+}
+
+template <class C>
+Status LoadCacheFileOf(const char* path, C* cache, int seq) {
+  if (cache == nullptr) return Status::Error(Code::kInvalidArgument, "LoadCacheFile: null cache");
+  return LoadFromFile(path,
+                      [&](std::span<const uint8_t> bytes) { return LoadCache(bytes, cache, seq); });
+}
+
 }  // namespace
 
 // ---- the causal family
@@ -559,13 +573,11 @@ Status LoadCache(std::span<const uint8_t> bytes, Cache* cache, int seq) {
 }
 
 Status SaveCacheFile(const Cache& cache, const char* path, int seq) {
-  return SaveToFile(path, [&](std::vector<uint8_t>* out) { return SaveCache(cache, out, seq); });
+  return SaveCacheFileOf(cache, path, seq);
 }
 
 Status LoadCacheFile(const char* path, Cache* cache, int seq) {
-  if (cache == nullptr) return Status::Error(Code::kInvalidArgument, "LoadCacheFile: null cache");
-  return LoadFromFile(path,
-                      [&](std::span<const uint8_t> bytes) { return LoadCache(bytes, cache, seq); });
+  return LoadCacheFileOf(path, cache, seq);
 }
 
 Status SaveCache(const WrapperCache& cache, std::vector<uint8_t>* out, int seq) {
@@ -635,13 +647,11 @@ Status LoadCache(std::span<const uint8_t> bytes, WrapperCache* cache, int seq) {
 }
 
 Status SaveCacheFile(const WrapperCache& cache, const char* path, int seq) {
-  return SaveToFile(path, [&](std::vector<uint8_t>* out) { return SaveCache(cache, out, seq); });
+  return SaveCacheFileOf(cache, path, seq);
 }
 
 Status LoadCacheFile(const char* path, WrapperCache* cache, int seq) {
-  if (cache == nullptr) return Status::Error(Code::kInvalidArgument, "LoadCacheFile: null cache");
-  return LoadFromFile(path,
-                      [&](std::span<const uint8_t> bytes) { return LoadCache(bytes, cache, seq); });
+  return LoadCacheFileOf(path, cache, seq);
 }
 
 Status SaveSequenceCache(const SequenceCache& cache, std::vector<uint8_t>* out) {
