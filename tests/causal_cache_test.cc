@@ -12,6 +12,7 @@
 #include "gtest/gtest.h"
 #include "kernels/convert.h"
 #include "reference_model.h"
+#include "test_allocator.h"
 
 namespace kv {
 namespace {
@@ -510,38 +511,23 @@ TEST(CausalRemove, ErrorsComeBeforeAnyChange) {
 
 // ---- allocation failure at Init ----------------------------------------------------------------
 
-// Fails the allocation numbered `fail_at` (0-based) and every later one while `failing`.
-struct FailingAllocator {
-  int calls = 0;
-  int fail_at = 0;
-  bool failing = true;
-  static void* Allocate(size_t bytes, void* ctx) {
-    auto* self = static_cast<FailingAllocator*>(ctx);
-    if (self->failing && self->calls++ >= self->fail_at) return nullptr;
-    return SystemAllocator().allocate(bytes, nullptr);
-  }
-  static void Release(void* p, void*) { SystemAllocator().release(p, nullptr); }
-  ArenaAllocator Get() { return ArenaAllocator{&Allocate, &Release, this}; }
-};
-
 TEST(CausalInit, AllocationFailureReturnsOutOfMemoryAndChangesNothing) {
   // Init takes three blocks (cell table, per-pass scratch, mask row); fail each in turn.
   for (int fail_at = 0; fail_at < 3; ++fail_at) {
     SCOPED_TRACE("fail_at " + std::to_string(fail_at));
-    FailingAllocator alloc;
-    alloc.fail_at = fail_at;
+    testing::TestAllocator alloc;
+    alloc.fail_from = fail_at;  // this allocation and every later one fail
     auto fresh = NewCausalCache();
     ASSERT_TRUE(fresh->SetAllocator(alloc.Get()).ok());
     EXPECT_EQ(fresh->Init(DType::kF32, 2, 64, 8).code(), Code::kOutOfMemory);
     EXPECT_EQ(fresh->NumCells(), 0);
     EXPECT_EQ(Start(fresh.get(), {0}, {0}).code(), Code::kInvalidArgument);  // still uninitialized
-    alloc.failing = false;
+    alloc.fail_from = -1;
     ASSERT_TRUE(fresh->Init(DType::kF32, 2, 64, 8).ok());  // usable once memory is back
     ASSERT_TRUE(Start(fresh.get(), {0, 1}, {0, 0}).ok());
 
     // Re-Init of a cache that holds tokens: on failure the tokens, history and mask stay.
-    FailingAllocator again;
-    again.failing = false;
+    testing::TestAllocator again;
     auto cache = NewSWACache(2);
     ASSERT_TRUE(cache->SetAllocator(again.Get()).ok());
     ASSERT_TRUE(cache->Init(DType::kF32, 1, 16, 4).ok());
@@ -549,15 +535,14 @@ TEST(CausalInit, AllocationFailureReturnsOutOfMemoryAndChangesNothing) {
     ASSERT_TRUE(Start(cache.get(), {0, 1, 2}, {0, 0, 0}).ok());
     ASSERT_TRUE(PutValues(cache.get(), {1, 2, 3}).ok());
     const std::string mask_before = MaskString(cache->Get());
-    again.failing = true;
-    again.fail_at = again.calls + fail_at;
+    again.fail_from = again.calls + fail_at;
     EXPECT_EQ(cache->Init(DType::kF32, 4, 64, 8).code(), Code::kOutOfMemory);
     EXPECT_EQ(cache->NumCells(), 6);
     EXPECT_EQ(HistoryKeys(cache->Get()), (std::vector<float>{1, 2, 3}));
     EXPECT_EQ(MaskString(cache->Get()), mask_before);
     EXPECT_TRUE(cache->CanResume(0, 3));
     EXPECT_TRUE(cache->CheckConsistency().ok());
-    again.failing = false;
+    again.fail_from = -1;
     ASSERT_TRUE(Start(cache.get(), {3}, {0}).ok());
     ASSERT_TRUE(PutValues(cache.get(), {4}).ok());
     // Position 0 falls out of memory (3 - 2); the new token reuses its cell 0.

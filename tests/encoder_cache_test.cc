@@ -6,6 +6,7 @@
 #include "core/arena.h"
 #include "core/cache.h"
 #include "gtest/gtest.h"
+#include "test_allocator.h"
 
 namespace kv {
 namespace {
@@ -328,22 +329,8 @@ TEST(EncoderCache, ConfigAndArgumentErrors) {
   EXPECT_EQ(c->StartForward(b.Get(), false).code(), Code::kInvalidArgument);
 }
 
-// An allocator that counts and can be told to fail.
-struct TestAllocator {
-  bool fail = false;
-  int allocations = 0;
-  static void* Allocate(size_t bytes, void* ctx) {
-    auto* self = static_cast<TestAllocator*>(ctx);
-    if (self->fail) return nullptr;
-    ++self->allocations;
-    return SystemAllocator().allocate(bytes, nullptr);
-  }
-  static void Release(void* p, void*) { SystemAllocator().release(p, nullptr); }
-  ArenaAllocator Get() { return ArenaAllocator{&Allocate, &Release, this}; }
-};
-
 TEST(EncoderCache, FailedAllocationChangesNothing) {
-  TestAllocator alloc;
+  testing::TestAllocator alloc;
   auto c = NewEncoderCache();
   ASSERT_TRUE(c->SetAllocator(alloc.Get()).ok());
   ASSERT_TRUE(c->Init(DType::kF32, 1, 64, 8).ok());

@@ -10,6 +10,7 @@
 #include "decode_driver.h"
 #include "gtest/gtest.h"
 #include "layouts/kv_layout.h"
+#include "test_allocator.h"
 
 namespace kv {
 namespace {
@@ -18,32 +19,12 @@ using testing::AllCacheKinds;
 using testing::CacheKind;
 using testing::Driver;
 using testing::Fingerprint;
-
-struct FailingAllocator {
-  bool fail = false;
-  int allocations = 0;
-  int releases = 0;
-  int failures = 0;
-  static void* Allocate(size_t bytes, void* ctx) {
-    auto* self = static_cast<FailingAllocator*>(ctx);
-    if (self->fail) {
-      ++self->failures;
-      return nullptr;
-    }
-    ++self->allocations;
-    return std::aligned_alloc(kBlockAlign, RoundUp(bytes == 0 ? 1 : bytes, kBlockAlign));
-  }
-  static void Release(void* p, void* ctx) {
-    ++static_cast<FailingAllocator*>(ctx)->releases;
-    std::free(p);
-  }
-  ArenaAllocator Get() { return ArenaAllocator{&Allocate, &Release, this}; }
-};
+using testing::TestAllocator;
 
 TEST(OutOfMemory, FirstPutOfEachLayerEveryKind) {
   for (const CacheKind& kind : AllCacheKinds()) {
     SCOPED_TRACE(kind.name);
-    FailingAllocator alloc;
+    TestAllocator alloc;
     Driver d;
     auto cache = kind.make();
     ASSERT_TRUE(cache->SetAllocator(alloc.Get()).ok());
@@ -95,7 +76,7 @@ TEST(OutOfMemory, FirstPutOfEachLayerEveryKind) {
 }
 
 TEST(OutOfMemory, ReserveLayersAndInitStayUsable) {
-  FailingAllocator alloc;
+  TestAllocator alloc;
   Driver d;
   auto cache = NewSWAMemCache(4, 8);
   ASSERT_TRUE(cache->SetAllocator(alloc.Get()).ok());
@@ -138,7 +119,7 @@ TEST(OutOfMemory, LoadNeedingStorageChangesNothing) {
   ASSERT_TRUE(SaveCache(*src, &whole).ok());
   ASSERT_TRUE(SaveCache(*src, &one, 0).ok());
 
-  FailingAllocator alloc;
+  TestAllocator alloc;
   auto dst = NewCausalCache();
   ASSERT_TRUE(dst->SetAllocator(alloc.Get()).ok());
   ASSERT_TRUE(dst->Init(DType::kBF16, 2, 32, d.max_batch).ok());
