@@ -11,9 +11,9 @@
 #include <limits>
 #include <string>
 
-#include "hwy/aligned_allocator.h"
 #include "kernels/convert.h"
 #include "kvperf/kvperf.h"
+#include "read_bandwidth.h"
 
 namespace kvperf {
 
@@ -41,51 +41,8 @@ void GenRow(Kind kind, int layer, int head, uint64_t token, int head_dim, int32_
 
 // ---- machine baseline ------------------------------------------------------------------------
 
-namespace {
-struct SumTask {
-  const uint64_t* data;
-  int64_t words_per_task;
-  uint64_t partial[256];
-};
-}  // namespace
-
-double MeasureReadBandwidth(kv::ThreadPool* pool) {
-  const size_t bytes = size_t{256} << 20;
-  auto buf = hwy::AllocateAligned<uint64_t>(bytes / 8);
-  for (size_t i = 0; i < bytes / 8; ++i) buf[i] = i;
-  SumTask t;
-  t.data = buf.get();
-  const int64_t tasks = std::min<int64_t>(256, pool->NumThreads() * 8);
-  t.words_per_task = static_cast<int64_t>(bytes / 8) / tasks / 8 * 8;
-  double best = 0;
-  volatile uint64_t sink = 0;
-  for (int rep = 0; rep < 5; ++rep) {
-    const auto t0 = Clock::now();
-    pool->Run(
-        tasks,
-        [](void* ctx, int64_t i) {
-          SumTask* st = static_cast<SumTask*>(ctx);
-          const uint64_t* p = st->data + i * st->words_per_task;
-          uint64_t s0 = 0, s1 = 0, s2 = 0, s3 = 0;
-          for (int64_t w = 0; w < st->words_per_task; w += 4) {
-            s0 += p[w];
-            s1 += p[w + 1];
-            s2 += p[w + 2];
-            s3 += p[w + 3];
-          }
-          st->partial[i] = s0 + s1 + s2 + s3;
-        },
-        &t);
-    const double sec = Seconds(t0, Clock::now());
-    uint64_t s = 0;
-    for (int64_t i = 0; i < tasks; ++i) s += t.partial[i];
-    sink = sink + s;
-    const double read = static_cast<double>(t.words_per_task) * tasks * 8;
-    best = std::max(best, read / sec);
-  }
-  (void)sink;
-  return best;
-}
+// The measurement itself is shared with the microbenchmarks (perf/read_bandwidth.h).
+double MeasureReadBandwidth(kv::ThreadPool* pool) { return kvbench::MeasureReadBandwidth(pool); }
 
 std::string CpuName() {
   std::ifstream f("/proc/cpuinfo");
