@@ -132,30 +132,28 @@ std::string StorageErrCell(const json& c) {
          Sci(c.value("storage_tolerance", NAN)) + ")";
 }
 
+// A row whose cell is one number of the result, at `path`, in the given format.
+Row NumberRow(std::string label, std::string (*format)(double), std::vector<std::string> path) {
+  return {std::move(label),
+          [format, path = std::move(path)](const json& j) { return format(D(j, path)); }};
+}
+std::string Fixed0(double v) { return Fmt("%.0f", v); }
+std::string Fixed1(double v) { return Fmt("%.1f", v); }
+std::string Fixed2(double v) { return Fmt("%.2f", v); }
+
+Row ReadBandwidthRow() {
+  return NumberRow("read bandwidth measured before this run", Gbs, {"read_bandwidth_bytes_per_s"});
+}
+Row CacheBytesRow(const char* label) { return NumberRow(label, Bytes, {"cache_bytes_allocated"}); }
+
 std::vector<Row> PhaseRows(const std::string& prefill_label, const std::string& decode_label) {
   return {
-      {"read bandwidth measured before this run",
-       [](const json& j) { return Gbs(D(j, {"read_bandwidth_bytes_per_s"})); }},
-      {prefill_label,
-       [](const json& j) {
-         return Rate(D(j, {"prefill", "tokens_per_s"}));
-       }},
-      {"  Attend share of prefill time",
-       [](const json& j) {
-         return Pct(D(j, {"prefill", "attend_share"}));
-       }},
-      {"  prefill attention GFLOP/s",
-       [](const json& j) {
-         return Fmt("%.1f", D(j, {"prefill", "attention_gflop_per_s"}));
-       }},
-      {decode_label,
-       [](const json& j) {
-         return Rate(D(j, {"decode", "tokens_per_s"}));
-       }},
-      {"  Attend share of decode time",
-       [](const json& j) {
-         return Pct(D(j, {"decode", "attend_share"}));
-       }},
+      ReadBandwidthRow(),
+      NumberRow(prefill_label, Rate, {"prefill", "tokens_per_s"}),
+      NumberRow("  Attend share of prefill time", Pct, {"prefill", "attend_share"}),
+      NumberRow("  prefill attention GFLOP/s", Fixed1, {"prefill", "attention_gflop_per_s"}),
+      NumberRow(decode_label, Rate, {"decode", "tokens_per_s"}),
+      NumberRow("  Attend share of decode time", Pct, {"decode", "attend_share"}),
       // Shared cells serve every sequence's query rows: the flops per byte read rise with sharing.
       {"  decode attention GFLOP/s (flop per K+V byte)",
        [](const json& j) {
@@ -164,18 +162,12 @@ std::vector<Row> PhaseRows(const std::string& prefill_label, const std::string& 
                                 D(j, {"decode", "attention_bytes"})) +
                 ")";
        }},
-      {"decode attention read (K+V bytes / Attend time)",
-       [](const json& j) {
-         return Gbs(D(j, {"decode", "attention_bytes_per_s"}));
-       }},
-      {"  as a fraction of read bandwidth",
-       [](const json& j) {
-         return Fmt("%.2f", D(j, {"decode", "attention_fraction_of_read_bw"}));
-       }},
-      {"  whole decode step (all cache work), same bytes",
-       [](const json& j) {
-         return Fmt("%.2f", D(j, {"decode", "step_fraction_of_read_bw"}));
-       }},
+      NumberRow("decode attention read (K+V bytes / Attend time)", Gbs,
+                {"decode", "attention_bytes_per_s"}),
+      NumberRow("  as a fraction of read bandwidth", Fixed2,
+                {"decode", "attention_fraction_of_read_bw"}),
+      NumberRow("  whole decode step (all cache work), same bytes", Fixed2,
+                {"decode", "step_fraction_of_read_bw"}),
   };
 }
 
@@ -190,6 +182,20 @@ std::vector<Row> CheckRows(const char* key) {
   };
 }
 
+// `rows`, then the three rows of the "check" result, as one table.
+void PrintWithChecks(const std::vector<json>& rs, std::vector<Row> rows) {
+  for (const Row& r : CheckRows("check")) rows.push_back(r);
+  PrintTable(rs, rows);
+}
+
+// The default traffic's phase rows, `extra`, then the checks.
+void PrintWorkloadRows(const std::vector<json>& rs, const std::vector<Row>& extra) {
+  std::vector<Row> rows =
+      PhaseRows("prefill tokens/s (cache work)", "decode tokens/s (cache work)");
+  rows.insert(rows.end(), extra.begin(), extra.end());
+  PrintWithChecks(rs, std::move(rows));
+}
+
 void PrintDefault(const std::vector<json>& rs) {
   const json& f = rs.front();
   std::printf(
@@ -198,34 +204,23 @@ void PrintDefault(const std::vector<json>& rs) {
       "sequences in one batch\n\n",
       f.value("sequences", 0), f.value("system_prompt", 0), f.value("prompt", 0),
       f.value("prefill_batch", 0), f.value("decode_steps", 0), f.value("sequences", 0));
-  std::vector<Row> rows =
-      PhaseRows("prefill tokens/s (cache work)", "decode tokens/s (cache work)");
-  const std::vector<Row> more = {
-      {"cache bytes allocated",
-       [](const json& j) { return Bytes(D(j, {"cache_bytes_allocated"})); }},
-      {"cache bytes holding tokens",
-       [](const json& j) { return Bytes(D(j, {"cache_bytes_in_use"})); }},
-      {"bytes saved by sharing the system prompt",
-       [](const json& j) { return Bytes(D(j, {"bytes_saved_by_sharing"})); }},
-      {"CopyPrefix to the other sequences: bytes copied, time",
-       [](const json& j) {
-         return Bytes(D(j, {"copy_prefix_bytes_allocated"})) + ", " +
-                Fmt("%.0f us", D(j, {"copy_prefix_seconds"}) * 1e6);
-       }},
-  };
-  rows.insert(rows.end(), more.begin(), more.end());
-  for (const Row& r : CheckRows("check")) rows.push_back(r);
-  PrintTable(rs, rows);
+  PrintWorkloadRows(rs, {
+                            CacheBytesRow("cache bytes allocated"),
+                            NumberRow("cache bytes holding tokens", Bytes, {"cache_bytes_in_use"}),
+                            NumberRow("bytes saved by sharing the system prompt", Bytes,
+                                      {"bytes_saved_by_sharing"}),
+                            {"CopyPrefix to the other sequences: bytes copied, time",
+                             [](const json& j) {
+                               return Bytes(D(j, {"copy_prefix_bytes_allocated"})) + ", " +
+                                      Fmt("%.0f us", D(j, {"copy_prefix_seconds"}) * 1e6);
+                             }},
+                        });
 }
 
 void PrintWorkloadScenario(const std::vector<json>& rs, const std::string& title,
                            const std::vector<Row>& extra) {
   std::printf("## %s\n\n", title.c_str());
-  std::vector<Row> rows =
-      PhaseRows("prefill tokens/s (cache work)", "decode tokens/s (cache work)");
-  rows.insert(rows.end(), extra.begin(), extra.end());
-  for (const Row& r : CheckRows("check")) rows.push_back(r);
-  PrintTable(rs, rows);
+  PrintWorkloadRows(rs, extra);
 }
 
 void PrintScenario(const std::string& name, const std::vector<json>& rs) {
@@ -234,37 +229,29 @@ void PrintScenario(const std::string& name, const std::vector<json>& rs) {
   if (name == "swa") {
     return PrintWorkloadScenario(
         rs, "swa: interleaved sliding window (5 layers of window 1024 : 1 global), default traffic",
-        {{"cache bytes allocated (all layers)",
-          [](const json& j) { return Bytes(D(j, {"cache_bytes_allocated"})); }},
+        {CacheBytesRow("cache bytes allocated (all layers)"),
          {"  sliding-window layers / global layers",
           [](const json& j) {
             return Bytes(D(j, {"cache_bytes_swa_layers"})) + " / " +
                    Bytes(D(j, {"cache_bytes_global_layers"}));
           }},
-         {"  if every layer were global",
-          [](const json& j) { return Bytes(D(j, {"cache_bytes_if_all_global"})); }}});
+         NumberRow("  if every layer were global", Bytes, {"cache_bytes_if_all_global"})});
   }
   if (name == "chunked") {
     return PrintWorkloadScenario(
         rs, "chunked: chunked attention (3 layers of chunk 1024 : 1 global), default traffic",
-        {{"cache bytes allocated",
-          [](const json& j) { return Bytes(D(j, {"cache_bytes_allocated"})); }}});
+        {CacheBytesRow("cache bytes allocated")});
   }
   if (name == "swa-mem") {
     std::vector<Row> extra = {
-        {"cache bytes allocated (memory 1536)",
-         [](const json& j) { return Bytes(D(j, {"cache_bytes_allocated"})); }},
-        {"  with unlimited memory",
-         [](const json& j) { return Bytes(D(j, {"cache_bytes_if_unlimited"})); }},
+        CacheBytesRow("cache bytes allocated (memory 1536)"),
+        NumberRow("  with unlimited memory", Bytes, {"cache_bytes_if_unlimited"}),
         {"resume 64 back: CanResume / position 0",
          [](const json& j) {
            return std::string(j["resume"].value("can_resume", false) ? "yes" : "no") + " / " +
                   (j["resume"].value("can_resume_position_0", true) ? "yes" : "no");
          }},
-        {"resumed decode tokens/s",
-         [](const json& j) {
-           return Rate(D(j, {"resume", "decode", "tokens_per_s"}));
-         }},
+        NumberRow("resumed decode tokens/s", Rate, {"resume", "decode", "tokens_per_s"}),
         {"resumed decode correctness",
          [](const json& j) { return CheckCell(j["resume"]["check"]); }},
     };
@@ -281,10 +268,9 @@ void PrintScenario(const std::string& name, const std::vector<json>& rs) {
     const std::vector<Row> more = {
         {"Remove + re-rotation time",
          [](const json& j) { return Fmt("%.1f ms", D(j, {"remove_seconds"}) * 1e3); }},
-        {"  re-rotated key rows/s",
-         [](const json& j) { return Rate(D(j, {"rerotated_key_rows_per_s"})); }},
-        {"  K bytes read+written / read bandwidth",
-         [](const json& j) { return Fmt("%.2f", D(j, {"remove_fraction_of_read_bw"})); }},
+        NumberRow("  re-rotated key rows/s", Rate, {"rerotated_key_rows_per_s"}),
+        NumberRow("  K bytes read+written / read bandwidth", Fixed2,
+                  {"remove_fraction_of_read_bw"}),
         {"max abs error vs double, same stored K/V",
          [](const json& j) { return KernelErrCell(j["decode_check"]); }},
         {"max abs error vs double, keys rotated at new positions",
@@ -303,33 +289,22 @@ void PrintScenario(const std::string& name, const std::vector<json>& rs) {
         "## encdec: encoder-decoder: %d sequences, %d-token prompts, cross-attention to a %d-frame "
         "encoder output (f16, stored as given) in every layer of every decode step\n\n",
         rs[0].value("sequences", 0), rs[0].value("prompt", 0), rs[0].value("encoder_frames", 0));
-    std::vector<Row> rows = {
-        {"read bandwidth measured before this run",
-         [](const json& j) { return Gbs(D(j, {"read_bandwidth_bytes_per_s"})); }},
-        {"decode tokens/s (self + cross attention)",
-         [](const json& j) {
-           return Rate(D(j, {"decode", "tokens_per_s"}));
-         }},
-        {"  Attend share of decode time",
-         [](const json& j) {
-           return Pct(D(j, {"decode", "attend_share"}));
-         }},
-        {"decode attention read (K+V bytes / Attend time)",
-         [](const json& j) {
-           return Gbs(D(j, {"decode", "attention_bytes_per_s"}));
-         }},
-        {"  as a fraction of read bandwidth",
-         [](const json& j) {
-           return Fmt("%.2f", D(j, {"decode", "attention_fraction_of_read_bw"}));
-         }},
-        {"encoder cache bytes / decoder cache bytes",
-         [](const json& j) {
-           return Bytes(D(j, {"cache_bytes_encoder"})) + " / " +
-                  Bytes(D(j, {"cache_bytes_decoder"}));
-         }},
-    };
-    for (const Row& r : CheckRows("check")) rows.push_back(r);
-    PrintTable(rs, rows);
+    PrintWithChecks(
+        rs,
+        {
+            ReadBandwidthRow(),
+            NumberRow("decode tokens/s (self + cross attention)", Rate, {"decode", "tokens_per_s"}),
+            NumberRow("  Attend share of decode time", Pct, {"decode", "attend_share"}),
+            NumberRow("decode attention read (K+V bytes / Attend time)", Gbs,
+                      {"decode", "attention_bytes_per_s"}),
+            NumberRow("  as a fraction of read bandwidth", Fixed2,
+                      {"decode", "attention_fraction_of_read_bw"}),
+            {"encoder cache bytes / decoder cache bytes",
+             [](const json& j) {
+               return Bytes(D(j, {"cache_bytes_encoder"})) + " / " +
+                      Bytes(D(j, {"cache_bytes_decoder"}));
+             }},
+        });
     return;
   }
   if (name == "rotating") {
@@ -339,26 +314,19 @@ void PrintScenario(const std::string& name, const std::vector<json>& rs) {
         "%dth token\n\n",
         rs[0].value("tokens_streamed", 0), rs[0].value("window", 0), rs[0].value("sinks", 0),
         rs[0].value("attend_every", 0));
-    std::vector<Row> rows = {
-        {"read bandwidth measured before this run",
-         [](const json& j) { return Gbs(D(j, {"read_bandwidth_bytes_per_s"})); }},
-        {"append tokens/s (Update, 16 layers)",
-         [](const json& j) { return Rate(D(j, {"update_tokens_per_s"})); }},
-        {"bytes moved per token per layer (sinks, compaction)",
-         [](const json& j) { return Bytes(D(j, {"layer0_bytes_moved_per_token"})); }},
-        {"allocations per layer over the stream",
-         [](const json& j) { return Fmt("%.0f", D(j, {"layer0_allocations"})); }},
-        {"attended tokens/s (Attend only, 16 layers)",
-         [](const json& j) { return Rate(D(j, {"attend_tokens_per_s"})); }},
-        {"attention read / read bandwidth",
-         [](const json& j) { return Fmt("%.2f", D(j, {"attention_fraction_of_read_bw"})); }},
-        {"held tokens at the end",
-         [](const json& j) { return Fmt("%.0f", D(j, {"held_tokens"})); }},
-        {"cache bytes allocated",
-         [](const json& j) { return Bytes(D(j, {"cache_bytes_allocated"})); }},
-    };
-    for (const Row& r : CheckRows("check")) rows.push_back(r);
-    PrintTable(rs, rows);
+    PrintWithChecks(
+        rs,
+        {
+            ReadBandwidthRow(),
+            NumberRow("append tokens/s (Update, 16 layers)", Rate, {"update_tokens_per_s"}),
+            NumberRow("bytes moved per token per layer (sinks, compaction)", Bytes,
+                      {"layer0_bytes_moved_per_token"}),
+            NumberRow("allocations per layer over the stream", Fixed0, {"layer0_allocations"}),
+            NumberRow("attended tokens/s (Attend only, 16 layers)", Rate, {"attend_tokens_per_s"}),
+            NumberRow("attention read / read bandwidth", Fixed2, {"attention_fraction_of_read_bw"}),
+            NumberRow("held tokens at the end", Fixed0, {"held_tokens"}),
+            CacheBytesRow("cache bytes allocated"),
+        });
     return;
   }
 }

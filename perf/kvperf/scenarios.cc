@@ -44,6 +44,17 @@ std::vector<int> SampleIndices(int n, int samples) {
   return idx;
 }
 
+// The batch of one decode step: sequences 0..S-1, every one at position `pos`.
+void DecodeBatch(int S, int32_t pos, std::vector<int>* sq, std::vector<int32_t>* ps) {
+  sq->resize(static_cast<size_t>(S));
+  ps->assign(static_cast<size_t>(S), pos);
+  for (int s = 0; s < S; ++s) (*sq)[static_cast<size_t>(s)] = s;
+}
+
+bool Contains(const std::vector<int>& v, int x) {
+  return std::find(v.begin(), v.end(), x) != v.end();
+}
+
 // The traffic of the default run: S sequences share a P-token system prompt (prefilled once into
 // sequence 0 and shared with CopyPrefix), each prefills its own C-token prompt in `batch`-token
 // batches, then T decode steps run the S sequences in one batch. `visible(layer, qpos, kpos)`
@@ -88,8 +99,7 @@ kv::Status Prefill(Engine& e, const Workload& w, int seq, int32_t from, int32_t 
     std::vector<int> sq(n, seq);
     std::vector<int32_t> ps(n);
     for (int i = 0; i < n; ++i) ps[i] = p0 + i;
-    const bool chk = std::find(check_batches.begin(), check_batches.end(), *batch_counter) !=
-                     check_batches.end();
+    const bool chk = Contains(check_batches, *batch_counter);
     Progress("%s: prefill seq %d positions %d..%d", label, seq, p0, p0 + n - 1);
     KV_RETURN_IF_ERROR(e.Forward(sq, ps, {}, chk ? w.check_layers : std::vector<int>{}, stats,
                                  chk ? check : nullptr));
@@ -118,13 +128,10 @@ kv::Status RunWorkload(Engine& e, const Workload& w, WorkloadResult* r, const ch
   }
   const std::vector<int> check_steps = SampleIndices(w.T, w.check_samples);
   for (int t = 0; t < w.T; ++t) {
-    std::vector<int> sq(w.S);
-    std::vector<int32_t> ps(w.S);
-    for (int s = 0; s < w.S; ++s) {
-      sq[s] = s;
-      ps[s] = w.P + w.C + t;
-    }
-    const bool chk = std::find(check_steps.begin(), check_steps.end(), t) != check_steps.end();
+    std::vector<int> sq;
+    std::vector<int32_t> ps;
+    DecodeBatch(w.S, w.P + w.C + t, &sq, &ps);
+    const bool chk = Contains(check_steps, t);
     if (t % 16 == 0) Progress("%s: decode step %d/%d", label, t, w.T);
     KV_RETURN_IF_ERROR(e.Forward(sq, ps, {}, chk ? w.check_layers : std::vector<int>{}, &r->decode,
                                  chk ? &r->decode_check : nullptr));
@@ -165,6 +172,49 @@ json WorkloadJson(const RunContext& ctx, const Workload& w, const WorkloadResult
   return out;
 }
 
+// What every default-traffic scenario does once its cache is made: runs `w` through `e` (set up
+// by the caller) and returns WorkloadJson with the scenario's name and dtype. On failure records
+// "<name>: run: <message>" and returns a null json, which the caller returns as it is.
+json RunNamedWorkload(const RunContext& ctx, Engine& e, const Workload& w, kv::DType dtype,
+                      const std::string& name, WorkloadResult* r,
+                      std::vector<std::string>* failures) {
+  json out;
+  const std::string label = name + " " + kv::DTypeName(dtype);
+  KVPERF_CHECK_OK(RunWorkload(e, w, r, label.c_str()), name + ": run");
+  out = WorkloadJson(ctx, w, *r, dtype, failures, name.c_str());
+  out["scenario"] = name;
+  out["dtype"] = kv::DTypeName(dtype);
+  return out;
+}
+
+// The interleaved scenarios (swa, chunked): a wrapper of {local, plain causal}; the layers where
+// global(layer) attend through the causal child (type 1), the others through `local` (type 0).
+// Runs the default traffic `w` and adds the wrapper's bytes: cache_bytes_allocated, the local
+// child's under `local_key`, the causal child's under cache_bytes_global_layers.
+json RunInterleaved(RunContext& ctx, kv::DType dtype, const std::string& name,
+                    std::unique_ptr<kv::Cache> local, const std::function<bool(int)>& global,
+                    const Workload& w, const char* local_key, std::vector<std::string>* failures) {
+  json out;
+  std::vector<std::unique_ptr<kv::Cache>> children;
+  children.push_back(std::move(local));
+  children.push_back(kv::NewCausalCache());
+  auto cache = kv::NewWrapperCache(std::move(children));
+  KVPERF_CHECK_OK(cache->Init(dtype, w.S, w.P + w.C + w.T, w.batch), name + ": Init");
+  Engine e;
+  SetupEngine(&e, ctx, w);
+  e.cache = cache.get();
+  e.wrapper = cache.get();
+  e.sites = [global](int layer) { return std::vector<Site>{Site{global(layer) ? 1 : 0, true, 0}}; };
+  WorkloadResult r;
+  out = RunNamedWorkload(ctx, e, w, dtype, name, &r, failures);
+  if (out.is_null()) return out;
+  const std::vector<size_t> child = cache->ChildMemoryBytes();
+  out["cache_bytes_allocated"] = cache->MemoryBytes();
+  out[local_key] = child[0];
+  out["cache_bytes_global_layers"] = child[1];
+  return out;
+}
+
 }  // namespace
 
 // ---- default
@@ -182,11 +232,8 @@ json RunDefault(RunContext& ctx, kv::DType dtype, std::vector<std::string>* fail
   SetupEngine(&e, ctx, w);
   e.cache = cache.get();
   WorkloadResult r;
-  const std::string label = std::string("default ") + kv::DTypeName(dtype);
-  KVPERF_CHECK_OK(RunWorkload(e, w, &r, label.c_str()), "default: run");
-  out = WorkloadJson(ctx, w, r, dtype, failures, "default");
-  out["scenario"] = "default";
-  out["dtype"] = kv::DTypeName(dtype);
+  out = RunNamedWorkload(ctx, e, w, dtype, "default", &r, failures);
+  if (out.is_null()) return out;
   const double tb = TokenBytes(sh, dtype);
   const double unique_tokens = w.P + static_cast<double>(w.S) * (w.C + w.T);
   out["cache_cells"] = cache->NumCells();
@@ -215,28 +262,11 @@ json RunInterleavedSWA(RunContext& ctx, kv::DType dtype, std::vector<std::string
     return kpos <= qpos && (global(layer) || kpos >= qpos - kWindow);  // Ollama: W + 1 keys
   };
   w.check_layers = {0, 5, sh.layers - 1};
-  std::vector<std::unique_ptr<kv::Cache>> children;
-  children.push_back(kv::NewSWACache(kWindow));
-  children.push_back(kv::NewCausalCache());
-  auto cache = kv::NewWrapperCache(std::move(children));
-  KVPERF_CHECK_OK(cache->Init(dtype, w.S, w.P + w.C + w.T, w.batch), "swa: Init");
-  Engine e;
-  SetupEngine(&e, ctx, w);
-  e.cache = cache.get();
-  e.wrapper = cache.get();
-  e.sites = [global](int layer) { return std::vector<Site>{Site{global(layer) ? 1 : 0, true, 0}}; };
-  WorkloadResult r;
-  const std::string label = std::string("swa ") + kv::DTypeName(dtype);
-  KVPERF_CHECK_OK(RunWorkload(e, w, &r, label.c_str()), "swa: run");
-  out = WorkloadJson(ctx, w, r, dtype, failures, "swa");
-  out["scenario"] = "swa";
-  out["dtype"] = kv::DTypeName(dtype);
+  out = RunInterleaved(ctx, dtype, "swa", kv::NewSWACache(kWindow), global, w,
+                       "cache_bytes_swa_layers", failures);
+  if (out.is_null()) return out;
   out["window"] = kWindow;
   out["pattern"] = "5 sliding-window layers : 1 global";
-  const std::vector<size_t> child = cache->ChildMemoryBytes();
-  out["cache_bytes_allocated"] = cache->MemoryBytes();
-  out["cache_bytes_swa_layers"] = child[0];
-  out["cache_bytes_global_layers"] = child[1];
   // What the same layers would hold as full-context caches.
   const double per_layer_token = sh.kv_heads * 2.0 * kv::RowBytes(dtype, sh.head_dim);
   int swa_layers = 0;
@@ -261,28 +291,11 @@ json RunChunked(RunContext& ctx, kv::DType dtype, std::vector<std::string>* fail
     return kpos <= qpos && (global(layer) || kpos >= qpos - qpos % kChunk);
   };
   w.check_layers = {0, 3, sh.layers - 2};
-  std::vector<std::unique_ptr<kv::Cache>> children;
-  children.push_back(kv::NewChunkedAttentionCache(kChunk));
-  children.push_back(kv::NewCausalCache());
-  auto cache = kv::NewWrapperCache(std::move(children));
-  KVPERF_CHECK_OK(cache->Init(dtype, w.S, w.P + w.C + w.T, w.batch), "chunked: Init");
-  Engine e;
-  SetupEngine(&e, ctx, w);
-  e.cache = cache.get();
-  e.wrapper = cache.get();
-  e.sites = [global](int layer) { return std::vector<Site>{Site{global(layer) ? 1 : 0, true, 0}}; };
-  WorkloadResult r;
-  const std::string label = std::string("chunked ") + kv::DTypeName(dtype);
-  KVPERF_CHECK_OK(RunWorkload(e, w, &r, label.c_str()), "chunked: run");
-  out = WorkloadJson(ctx, w, r, dtype, failures, "chunked");
-  out["scenario"] = "chunked";
-  out["dtype"] = kv::DTypeName(dtype);
+  out = RunInterleaved(ctx, dtype, "chunked", kv::NewChunkedAttentionCache(kChunk), global, w,
+                       "cache_bytes_chunked_layers", failures);
+  if (out.is_null()) return out;
   out["chunk"] = kChunk;
   out["pattern"] = "3 chunked layers : 1 global";
-  const std::vector<size_t> child = cache->ChildMemoryBytes();
-  out["cache_bytes_allocated"] = cache->MemoryBytes();
-  out["cache_bytes_chunked_layers"] = child[0];
-  out["cache_bytes_global_layers"] = child[1];
   return out;
 }
 
@@ -346,12 +359,9 @@ json RunSWAMemResume(RunContext& ctx, kv::DType dtype, std::vector<std::string>*
   PhaseStats resumed;
   CheckStats resumed_check;
   for (int t = 0; t < kRewind; ++t) {
-    std::vector<int> sq(w.S);
-    std::vector<int32_t> ps(w.S);
-    for (int s = 0; s < w.S; ++s) {
-      sq[s] = s;
-      ps[s] = resume + t;
-    }
+    std::vector<int> sq;
+    std::vector<int32_t> ps;
+    DecodeBatch(w.S, resume + t, &sq, &ps);
     const bool chk = t == 0 || t == kRewind - 1;
     KVPERF_CHECK_OK(e.Forward(sq, ps, {}, chk ? w.check_layers : std::vector<int>{}, &resumed,
                               chk ? &resumed_check : nullptr),
@@ -416,13 +426,10 @@ json RunContextShift(RunContext& ctx, kv::DType dtype, std::vector<std::string>*
   const int T = ctx.opt.decode_steps;
   const std::vector<int> check_steps = SampleIndices(T, w.check_samples);
   for (int t = 0; t < T; ++t) {
-    std::vector<int> sq(w.S);
-    std::vector<int32_t> ps(w.S);
-    for (int s = 0; s < w.S; ++s) {
-      sq[s] = s;
-      ps[s] = w.C - half + t;
-    }
-    const bool chk = std::find(check_steps.begin(), check_steps.end(), t) != check_steps.end();
+    std::vector<int> sq;
+    std::vector<int32_t> ps;
+    DecodeBatch(w.S, w.C - half + t, &sq, &ps);
+    const bool chk = Contains(check_steps, t);
     if (t % 16 == 0) Progress("%s: decode step %d/%d after the shift", label.c_str(), t, T);
     KVPERF_CHECK_OK(e.Forward(sq, ps, {}, chk ? w.check_layers : std::vector<int>{}, &dec,
                               chk ? &dec_check : nullptr),
@@ -501,13 +508,10 @@ json RunEncoderDecoder(RunContext& ctx, kv::DType dtype, std::vector<std::string
   first = false;
   const std::vector<int> check_steps = SampleIndices(T, ctx.opt.check_samples);
   for (int t = 0; t < T; ++t) {
-    std::vector<int> sq(S);
-    std::vector<int32_t> ps(S);
-    for (int s = 0; s < S; ++s) {
-      sq[s] = s;
-      ps[s] = kPrompt + t;
-    }
-    const bool chk = std::find(check_steps.begin(), check_steps.end(), t) != check_steps.end();
+    std::vector<int> sq;
+    std::vector<int32_t> ps;
+    DecodeBatch(S, kPrompt + t, &sq, &ps);
+    const bool chk = Contains(check_steps, t);
     if (t % 16 == 0) Progress("encdec %s: decode step %d/%d", kv::DTypeName(dtype), t, T);
     KVPERF_CHECK_OK(
         e.Forward(sq, ps, {}, chk ? std::vector<int>{0, sh.layers - 1} : std::vector<int>{}, &dec,
