@@ -175,7 +175,10 @@ HWY_INLINE float BlockScale(const void* row, int64_t blk) {
 // --------------------------------------------------------------------------------------
 
 constexpr int64_t kScaleStride = kBlockCells + kRowPad;
-constexpr int64_t kPrefetchCells = 8;
+// K rows prefetched ahead: ~2-4 KiB. q8_0 rows (136 / 272 bytes at D 64 / 128) take 16 (8 left
+// the K loop stalled on prefetches that missed: 1 thread, D 128, 9.36 -> 9.0 ms; 32 was slower).
+template <DType T>
+constexpr int64_t kPrefetchCells = IsQuantized(T) ? 16 : 8;
 constexpr int64_t kMaxQBlocks = kAttentionMaxHeadDim / 32;
 
 // The f16 block scales of n quantized rows, converted with vector f16 -> f32 (exact) instead of
@@ -205,6 +208,11 @@ constexpr int64_t kVChunks = 4;
 constexpr int64_t kVChunks = 2;
 #endif
 
+// Integer arithmetic was measured and not kept, for precision: int16 V weights with vpdpwssd
+// (AVX512_VNNI) cut this pass by more than half (q8_0 D 128, 1 thread: 1.49x f16 per call), but the
+// 15-bit weights moved end_to_end_test's q8_0 logits against its stored-value reference by up to
+// 9.6e-3 (tolerance 1e-2; f32 arithmetic gives 3e-6); an int8 query for the K side (llama.cpp's
+// q8_0 x q8_0 dot) moved them by 1.3e-2 to 3.8e-2.
 // Quantized plain V, dims [blk0 * 32, blk0 * 32 + kSpan): the weights p[g][j] * d_blk[j] are
 // formed once per block (vectors over j), then each row's codes are converted once and FMAed into
 // every head's accumulators, kC chunks per pass.
@@ -344,20 +352,36 @@ HWY_INLINE void DotHeads2(DF df, const void* krow0, const void* krow1, const flo
                           int64_t D, float* s, int64_t s_stride) {
   VF acc0[kG], acc1[kG];
   for (int g = 0; g < kG; ++g) acc0[g] = acc1[g] = hn::Zero(df);
-  VF sc0 = hn::Zero(df), sc1 = hn::Zero(df);
-  for (int64_t i = 0; i < D; i += kN) {
-    if constexpr (IsQuantized(T)) {
-      if (i % 32 == 0) {
-        sc0 = hn::Set(df, BlockScale<T>(krow0, i / 32));
-        sc1 = hn::Set(df, BlockScale<T>(krow1, i / 32));
+  if constexpr (IsQuantized(T)) {
+    // Block by block with the vectors of a block unrolled: no per-vector block index arithmetic.
+    const char* b0 = static_cast<const char*>(krow0);
+    const char* b1 = static_cast<const char*>(krow1);
+    const float* q = qs;
+    for (int64_t blk = 0; blk < D / 32; ++blk) {
+      const VF sc0 = hn::Set(df, BlockScale<T>(b0, 0));
+      const VF sc1 = hn::Set(df, BlockScale<T>(b1, 0));
+      for (int64_t w = 0; w < 32; w += kN) {
+        const VF k0 = hn::Mul(LoadCodes<T>(df, b0, w), sc0);
+        const VF k1 = hn::Mul(LoadCodes<T>(df, b1, w), sc1);
+        for (int g = 0; g < kG; ++g) {
+          const VF qv = hn::LoadU(df, q + g * Dp + w);
+          acc0[g] = hn::MulAdd(qv, k0, acc0[g]);
+          acc1[g] = hn::MulAdd(qv, k1, acc1[g]);
+        }
       }
+      b0 += BlockBytes(T);
+      b1 += BlockBytes(T);
+      q += 32;
     }
-    const VF k0 = LoadK<T>(df, krow0, i, D, sc0);
-    const VF k1 = LoadK<T>(df, krow1, i, D, sc1);
-    for (int g = 0; g < kG; ++g) {
-      const VF qv = hn::LoadU(df, qs + g * Dp + i);
-      acc0[g] = hn::MulAdd(qv, k0, acc0[g]);
-      acc1[g] = hn::MulAdd(qv, k1, acc1[g]);
+  } else {
+    for (int64_t i = 0; i < D; i += kN) {
+      const VF k0 = LoadK<T>(df, krow0, i, D, hn::Zero(df));
+      const VF k1 = LoadK<T>(df, krow1, i, D, hn::Zero(df));
+      for (int g = 0; g < kG; ++g) {
+        const VF qv = hn::LoadU(df, qs + g * Dp + i);
+        acc0[g] = hn::MulAdd(qv, k0, acc0[g]);
+        acc1[g] = hn::MulAdd(qv, k1, acc1[g]);
+      }
     }
   }
   int g = 0;
@@ -453,8 +477,22 @@ HWY_INLINE void ShapeScores(DF df, const Ctx& c, int64_t b, int64_t c0, int64_t 
     }
   }
   if (c.mask.data != nullptr) {
-    // Visible cells carry 0 in the caches' masks; other finite values are honoured.
-    for (int64_t j = 0; j < n; ++j) s[j] += attn::MaskValue(c.mask, b, c0 + j);
+    // Visible cells carry 0 in the caches' masks; other finite values are honoured. The caches
+    // always pass a mask: vector loads (f32 / f16, elements packed) instead of a scalar per cell.
+    const char* mrow = static_cast<const char*>(c.mask.data) +
+                       static_cast<size_t>(b) * c.mask.nb[1] +
+                       static_cast<size_t>(c0) * c.mask.nb[0];
+    int64_t j = 0;
+    if (c.mask.dtype == DType::kF32) {
+      for (; j + static_cast<int64_t>(kN) <= n; j += kN) {
+        hn::Store(hn::Add(hn::Load(df, s + j), LoadFloat<DType::kF32>(df, mrow, j)), df, s + j);
+      }
+    } else if (c.mask.dtype == DType::kF16) {
+      for (; j + static_cast<int64_t>(kN) <= n; j += kN) {
+        hn::Store(hn::Add(hn::Load(df, s + j), LoadFloat<DType::kF16>(df, mrow, j)), df, s + j);
+      }
+    }
+    for (; j < n; ++j) s[j] += attn::MaskValue(c.mask, b, c0 + j);
   }
 }
 
@@ -510,7 +548,7 @@ HWY_NOINLINE void DecodeCells(const Ctx& c, int64_t h, int64_t b, int64_t g0, in
   int64_t j = 0;
   for (; j + 2 <= n; j += 2) {
     for (int64_t r = 0; r < 2; ++r) {
-      const char* ka = kbase + static_cast<size_t>(c0 + j + r + kPrefetchCells) * c.k.nb[2];
+      const char* ka = kbase + static_cast<size_t>(c0 + j + r + kPrefetchCells<T>) * c.k.nb[2];
       for (size_t o = 0; o < krow_bytes; o += 64) hwy::Prefetch(ka + o);
       const char* va = vrow0 + static_cast<size_t>(j + r) * c.v.nb[2];
       for (size_t o = 0; o < vrow_bytes; o += 64) hwy::Prefetch(va + o);

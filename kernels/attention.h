@@ -45,9 +45,12 @@
 //
 // Measured (perf/bench_attention, 2-vCPU AVX-512 VM shared with other jobs, best call of each run
 // against a read-sum baseline interleaved in the same run): decode f16 at 32768 cells reaches
-// 0.93 (D 64) and 1.03 (D 128) of the 1-thread read bandwidth; q8_0 is 1.17x / 1.25x faster per
-// call than f16 there (compute-bound: ~37 ns per cell for 4 heads at D 128); prefill runs at ~0.4
-// of the measured FMA peak. The dispatched AVX-512 decode is ~1.3x the same code pinned to AVX2.
+// 0.93 (D 64) and 1.03 (D 128) of the 1-thread read bandwidth; q8_0 is 1.23x / 1.37x faster per
+// call than f16 there (interleaved, best of two runs; 2 threads: 1.10x / 1.30x). q8_0 is
+// compute-bound: ~33 ns per cell for 4 heads at D 128 (~28 with the history in cache), and per 16
+// codes it spends a widen, a convert and a scale multiply on top of the FMAs of every head; prefill
+// runs at ~0.4 of the measured FMA peak. The dispatched AVX-512 decode is ~1.3x the same code
+// pinned to AVX2.
 //
 // Masked cells are never read in decode; prefill reads whole tiles, so K/V of hidden cells must be
 // finite there (the caches zero-fill their storage).
