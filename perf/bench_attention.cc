@@ -28,6 +28,7 @@
 #include "kernels/attention.h"
 #include "layouts/kv_layout.h"
 #include "layouts/quant.h"
+#include "read_bandwidth.h"
 
 // ---- FMA peak, dispatched --------------------------------------------------------------------
 // clang-format off
@@ -98,13 +99,6 @@ double Seconds(Clock::time_point a, Clock::time_point b) {
 
 // ---- baselines (measured once per thread count, cached for the run) ---------------------------
 
-struct SumTask {
-  const uint64_t* data;
-  const uint64_t* data_slice;
-  int64_t words_per_task;
-  uint64_t partial[64];
-};
-
 // Best of 20 short runs (about 10 ms each), so that one quiet moment of a shared machine is enough.
 double FmaPeak(int threads) {
   static std::map<int, double> cache;
@@ -146,39 +140,18 @@ class ReadSlicer {
       buf = hwy::AllocateAligned<uint64_t>(kBytes / 8);
       for (size_t i = 0; i < kBytes / 8; ++i) buf[i] = i;
     }
-    task_.data = buf.get();
+    data_ = buf.get();
   }
   double Next() {
-    const int64_t tasks = pool_->NumThreads() * 4;
-    task_.words_per_task = static_cast<int64_t>(kSlice / 8) / tasks;
-    task_.data_slice = task_.data + (slice_ % (kBytes / kSlice)) * (kSlice / 8);
-    ++slice_;
-    const auto t0 = Clock::now();
-    pool_->Run(
-        tasks,
-        [](void* ctx, int64_t i) {
-          SumTask* st = static_cast<SumTask*>(ctx);
-          const uint64_t* p = st->data_slice + i * st->words_per_task;
-          uint64_t s0 = 0, s1 = 0, s2 = 0, s3 = 0;
-          for (int64_t w = 0; w < st->words_per_task; w += 4) {
-            s0 += p[w];
-            s1 += p[w + 1];
-            s2 += p[w + 2];
-            s3 += p[w + 3];
-          }
-          st->partial[i] = s0 + s1 + s2 + s3;
-        },
-        &task_);
-    const double sec = Seconds(t0, Clock::now());
-    benchmark::DoNotOptimize(task_.partial[0]);
-    return static_cast<double>(kSlice) / sec;
+    const uint64_t* slice = data_ + (slice_++ % (kBytes / kSlice)) * (kSlice / 8);
+    return kvbench::ReadPassBytesPerSecond(pool_, slice, kSlice / 8, pool_->NumThreads() * 4);
   }
 
  private:
   static constexpr size_t kBytes = size_t{256} << 20;
   static constexpr size_t kSlice = size_t{32} << 20;
   kv::ThreadPool* pool_;
-  SumTask task_{};
+  const uint64_t* data_ = nullptr;
   size_t slice_ = 0;
 };
 
