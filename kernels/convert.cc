@@ -102,12 +102,9 @@ HWY_INLINE hn::Vec<DU32> BF16FromF32(hn::Vec<DF> v) {
   return hn::IfThenElse(hn::RebindMask(du, hn::Gt(absi, hn::Set(di, 0x7F800000))), quiet, rounded);
 }
 
-// Narrows u32 lanes holding values <= 0xFFFF and stores them as u16.
-template <class DU = DU32>
-HWY_INLINE void StoreU16(hn::Vec<DU> v, uint16_t* p) {
-  const hn::Rebind<uint16_t, DU> d16;
-  const hn::RebindToSigned<DU> di;
-  hn::StoreU(hn::DemoteTo(d16, hn::BitCast(di, v)), d16, p);
+// u32 lanes holding values <= 0xFFFF as u16 lanes.
+HWY_INLINE hn::Vec<DU16> NarrowToU16(hn::Vec<DU32> v) {
+  return hn::DemoteTo(DU16(), hn::BitCast(DI32(), v));
 }
 
 // Non-temporal store of u16 lanes to a vector-aligned p. Where the lanes fill only part of a
@@ -147,7 +144,7 @@ struct F16T {
         hn::IfThenElse(is_nan, hn::And(h, hn::Set(di16, static_cast<int16_t>(0xFE00))), h);
     return hn::BitCast(DU16(), fixed);
 #else
-    return hn::DemoteTo(DU16(), hn::BitCast(DI32(), F16FromF32Soft(v)));
+    return NarrowToU16(F16FromF32Soft(v));
 #endif
   }
   static HWY_INLINE void Store(hn::Vec<DF> v, T* p) { hn::StoreU(Bits(v), DU16(), p); }
@@ -160,9 +157,7 @@ struct BF16T {
   static HWY_INLINE hn::Vec<DF> Load(const T* p) {
     return hn::BitCast(DF(), hn::ShiftLeft<16>(hn::PromoteTo(DU32(), hn::LoadU(DU16(), p))));
   }
-  static HWY_INLINE hn::Vec<DU16> Bits(hn::Vec<DF> v) {
-    return hn::DemoteTo(DU16(), hn::BitCast(DI32(), BF16FromF32(v)));
-  }
+  static HWY_INLINE hn::Vec<DU16> Bits(hn::Vec<DF> v) { return NarrowToU16(BF16FromF32(v)); }
   static HWY_INLINE void Store(hn::Vec<DF> v, T* p) { hn::StoreU(Bits(v), DU16(), p); }
   static HWY_INLINE void Stream(hn::Vec<DF> v, T* p) { StreamU16(Bits(v), p); }
 };
@@ -341,7 +336,7 @@ HWY_INLINE void StoreScales(hn::Vec<DF> d, hn::Mask<DF> reference, float* id, ui
   hn::Store(hn::IfThenElse(hn::Or(reference, SubnormalScale(d)),
                            hn::Set(df, std::numeric_limits<float>::quiet_NaN()), inv),
             df, id);
-  StoreU16(F16FromF32Soft(d), dh);
+  hn::StoreU(NarrowToU16(F16FromF32Soft(d)), DU16(), dh);
 }
 
 // q8_0: d = amax / 127, q = roundf(x * (1/d)). roundf (half away from zero) is
