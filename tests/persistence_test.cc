@@ -858,9 +858,11 @@ TEST(PersistenceEncoder, FailuresLeaveTheTargetUnchanged) {
 // ---- wrapper caches
 // --------------------------------------------------------------------------------
 
-std::unique_ptr<WrapperCache> MakeWrapper(int32_t causal_chunk = 0) {
+// A wrapper of `first` (even layers) and a causal cache, or a chunked one with causal_chunk > 0
+// (odd layers), initialized for f16, 2 sequences, 48 cells, batches of 8.
+std::unique_ptr<WrapperCache> WrapWithCausal(std::unique_ptr<Cache> first, int32_t causal_chunk) {
   std::vector<std::unique_ptr<Cache>> children;
-  children.push_back(NewSWACache(4));
+  children.push_back(std::move(first));
   if (causal_chunk > 0) {
     children.push_back(NewChunkedAttentionCache(causal_chunk));
   } else {
@@ -869,6 +871,10 @@ std::unique_ptr<WrapperCache> MakeWrapper(int32_t causal_chunk = 0) {
   auto w = NewWrapperCache(std::move(children));
   EXPECT_TRUE(w->Init(DType::kF16, 2, 48, 8).ok());
   return w;
+}
+
+std::unique_ptr<WrapperCache> MakeWrapper(int32_t causal_chunk = 0) {
+  return WrapWithCausal(NewSWACache(4), causal_chunk);
 }
 
 // One step through a wrapper of SWA (even layers) + causal (odd layers); attention outputs out.
@@ -958,18 +964,9 @@ TEST(PersistenceWrapper, AFailingChildRestoresTheEarlierOnes) {
 // A wrapper of an encoder (even layers: cross-attention over an image) and a causal cache (odd
 // layers), as in mllama.
 std::unique_ptr<WrapperCache> MakeEncoderWrapper(EncoderCache** enc, int32_t causal_chunk = 0) {
-  std::vector<std::unique_ptr<Cache>> children;
   auto e = NewEncoderCache();
   *enc = e.get();
-  children.push_back(std::move(e));
-  if (causal_chunk > 0) {
-    children.push_back(NewChunkedAttentionCache(causal_chunk));
-  } else {
-    children.push_back(NewCausalCache());
-  }
-  auto w = NewWrapperCache(std::move(children));
-  EXPECT_TRUE(w->Init(DType::kF16, 2, 48, 8).ok());
-  return w;
+  return WrapWithCausal(std::move(e), causal_chunk);
 }
 
 // One step of n tokens; with image > 0 the first token carries an image of that many tokens,
