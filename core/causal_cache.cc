@@ -402,8 +402,24 @@ Status CausalCacheImpl::ValidateLayerShapes(const LayerStorage& layer, int64_t k
   return Status::Ok();
 }
 
+Status CausalCacheImpl::LayerBytes(int32_t k_head_dim, int32_t v_head_dim, int32_t kv_heads,
+                                   size_t* bytes) const {
+  const int32_t n = table_.num_cells();
+  size_t k = 0, v = 0;
+  if (!CellBlockBytesFit(dtype_, k_head_dim, kv_heads, n, false, &k) ||
+      !CellBlockBytesFit(dtype_, v_head_dim, kv_heads, n, config_.permuted_v, &v) ||
+      __builtin_add_overflow(k, v, bytes)) {
+    return Status::Error(Code::kOutOfMemory,
+                         "a layer of [%d, %d] / [%d, %d] over %d cells needs more than 2^64 bytes",
+                         k_head_dim, kv_heads, v_head_dim, kv_heads, n);
+  }
+  return Status::Ok();
+}
+
 Status CausalCacheImpl::AllocateLayer(LayerStorage* layer, int32_t k_head_dim, int32_t v_head_dim,
                                       int32_t kv_heads) {
+  size_t bytes = 0;
+  KV_RETURN_IF_ERROR(LayerBytes(k_head_dim, v_head_dim, kv_heads, &bytes));
   const int32_t n = table_.num_cells();
   const CellBlockLayout kl = MakeCellBlockLayout(dtype_, k_head_dim, kv_heads, n, false);
   const CellBlockLayout vl =
@@ -411,7 +427,7 @@ Status CausalCacheImpl::AllocateLayer(LayerStorage* layer, int32_t k_head_dim, i
   void* k = nullptr;
   void* v = nullptr;
   // K and V are carved together so that a failure leaves no half-allocated layer behind.
-  KV_RETURN_IF_ERROR(arena_.Allocate(kl.bytes + vl.bytes, &k));
+  KV_RETURN_IF_ERROR(arena_.Allocate(bytes, &k));
   v = static_cast<char*>(k) + kl.bytes;
   layer->k_layout = kl;
   layer->v_layout = vl;
@@ -428,16 +444,15 @@ Status CausalCacheImpl::ReserveLayers(int layers, int k_head_dim, int v_head_dim
   }
   LayerStorage probe;
   KV_RETURN_IF_ERROR(ValidateLayerShapes(probe, k_head_dim, v_head_dim, kv_heads));
-  const int32_t n = table_.num_cells();
-  const size_t per_layer =
-      MakeCellBlockLayout(dtype_, k_head_dim, kv_heads, n, false).bytes +
-      MakeCellBlockLayout(dtype_, v_head_dim, kv_heads, n, config_.permuted_v).bytes;
+  size_t per_layer = 0;
+  KV_RETURN_IF_ERROR(LayerBytes(k_head_dim, v_head_dim, kv_heads, &per_layer));
   size_t needed = 0;
   for (int l = 0; l < layers; ++l) {
     if (l < static_cast<int>(layers_.size()) && layers_[l].allocated) {
       KV_RETURN_IF_ERROR(ValidateLayerShapes(layers_[l], k_head_dim, v_head_dim, kv_heads));
-    } else {
-      needed += per_layer;
+    } else if (__builtin_add_overflow(needed, per_layer, &needed)) {
+      return Status::Error(Code::kOutOfMemory, "%d layers of %zu bytes need more than 2^64 bytes",
+                           layers, per_layer);
     }
   }
   if (needed == 0) return Status::Ok();

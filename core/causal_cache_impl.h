@@ -62,6 +62,10 @@ class CausalCacheImpl final : public CausalCache {
   bool MemoryLimited() const { return memory_ != kUnlimited; }
   Status ValidateLayerShapes(const LayerStorage& layer, int64_t k_head_dim, int64_t v_head_dim,
                              int64_t kv_heads) const;
+  // Bytes of one layer's K and V blocks over this cache's cells; kOutOfMemory when the count does
+  // not fit in size_t (shapes ValidateLayerShapes accepts can overflow it with many cells).
+  Status LayerBytes(int32_t k_head_dim, int32_t v_head_dim, int32_t kv_heads, size_t* bytes) const;
+  // Precondition: the shape passed ValidateLayerShapes.
   Status AllocateLayer(LayerStorage* layer, int32_t k_head_dim, int32_t v_head_dim,
                        int32_t kv_heads);
   Status EnsureMaskCapacity(size_t elements);

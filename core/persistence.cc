@@ -467,9 +467,13 @@ Status CausalCacheImpl::Deserialize(std::span<const uint8_t> bytes, int seq) {
                              t.v_layout.kv_heads);
       }
     } else {
-      const int32_t nc = table_.num_cells();
-      needed += MakeCellBlockLayout(dtype_, s.k_head_dim, s.kv_heads, nc, false).bytes +
-                MakeCellBlockLayout(dtype_, s.v_head_dim, s.kv_heads, nc, config_.permuted_v).bytes;
+      size_t layer_bytes = 0;
+      KV_RETURN_IF_ERROR(LayerBytes(s.k_head_dim, s.v_head_dim, s.kv_heads, &layer_bytes));
+      if (__builtin_add_overflow(needed, layer_bytes, &needed)) {
+        return Status::Error(Code::kOutOfMemory,
+                             "load: the stream's layers need more than 2^64 "
+                             "bytes here");
+      }
     }
   }
 

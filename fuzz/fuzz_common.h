@@ -1,6 +1,6 @@
 // Shared helpers of the fuzzers: a byte reader that decodes the input from the front (so seed files
-// read like programs), a check macro that reports and aborts (libFuzzer saves the input), and a
-// Highway target picker.
+// read like programs), a check macro that reports and aborts (libFuzzer saves the input), a
+// Highway target picker, and an allocator with a memory budget.
 #ifndef KVCACHE_FUZZ_FUZZ_COMMON_H_
 #define KVCACHE_FUZZ_FUZZ_COMMON_H_
 
@@ -10,10 +10,29 @@
 #include <cstdlib>
 #include <vector>
 
+#include "core/arena.h"
 #include "hwy/highway.h"
 #include "hwy/targets.h"
 
 namespace kvfuzz {
+
+// An allocator for the fuzzers' caches (Cache::SetAllocator) that refuses any one request above
+// kMaxAllocation, as an edge device with a memory budget would. A forged stream can declare layers
+// whose storage is terabytes (every field within its limit; fuzz_session found one, see
+// tests/fuzz_regressions_test.cc); the library answers kOutOfMemory when the allocator says no,
+// and the fuzzer checks that the target is then unchanged. Without a budget the request reaches
+// aligned_alloc, where ASan (above 1 TiB) and libFuzzer's malloc limit (above -rss_limit_mb)
+// abort instead of returning nullptr.
+inline constexpr size_t kMaxAllocation = size_t{256} << 20;
+
+inline kv::ArenaAllocator BudgetAllocator() {
+  kv::ArenaAllocator a;
+  a.allocate = [](size_t bytes, void*) -> void* {
+    return bytes > kMaxAllocation ? nullptr : kv::SystemAllocator().allocate(bytes, nullptr);
+  };
+  a.release = [](void* p, void*) { kv::SystemAllocator().release(p, nullptr); };
+  return a;
+}
 
 class Reader {
  public:

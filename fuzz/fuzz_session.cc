@@ -51,6 +51,7 @@ std::unique_ptr<kv::CausalCache> MakeCausal(const Shape& s) {
 }
 
 Status InitCache(kv::Cache* c, const Shape& s) {
+  KV_RETURN_IF_ERROR(c->SetAllocator(kvfuzz::BudgetAllocator()));
   kv::CacheConfig cfg;
   cfg.padding = s.padding;
   KV_RETURN_IF_ERROR(c->SetConfig(cfg));

@@ -74,6 +74,22 @@ inline CellBlockLayout MakeCellBlockLayout(DType dtype, int32_t head_dim, int32_
   return l;
 }
 
+// MakeCellBlockLayout(...).bytes computed with every product checked: false when the count does
+// not fit in size_t. Shapes within the per-field limits core accepts (head_dim < 2^25, kv_heads <=
+// 65536, cells < 2^30) can exceed it: [2^25 - 1, 65536] f32 rows over 2^21 cells are 2^64 bytes.
+// Same preconditions as MakeCellBlockLayout.
+inline bool CellBlockBytesFit(DType dtype, int32_t head_dim, int32_t kv_heads, int32_t cells,
+                              bool cells_fastest, size_t* bytes) {
+  // The strides themselves are small (int32 fields); their products are what can overflow.
+  const size_t stride = cells_fastest
+                            ? RoundUp(BlockBytes(dtype) * static_cast<size_t>(cells), kBlockAlign)
+                            : RowStride(dtype, RowBytes(dtype, head_dim));
+  const size_t lines = static_cast<size_t>(cells_fastest ? head_dim : cells);
+  size_t head = 0;
+  if (__builtin_mul_overflow(stride, lines, &head) || head > SIZE_MAX - kBlockAlign) return false;
+  return !__builtin_mul_overflow(RoundUp(head, kBlockAlign), static_cast<size_t>(kv_heads), bytes);
+}
+
 // Byte offset of row (head, cell) in a plain block.
 inline size_t CellRowOffset(const CellBlockLayout& l, int32_t cell, int32_t head) {
   return static_cast<size_t>(head) * l.head_stride + static_cast<size_t>(cell) * l.row_stride;

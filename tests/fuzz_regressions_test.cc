@@ -5,8 +5,12 @@
 #include <cstring>
 #include <vector>
 
+#include "core/cache.h"
+#include "core/crc32c.h"
+#include "core/persistence.h"
 #include "gtest/gtest.h"
 #include "kernels/convert.h"
+#include "layouts/kv_layout.h"
 #include "layouts/quant.h"
 
 namespace kv {
@@ -55,6 +59,102 @@ TEST(FuzzRegressions, Q8_0TinyBlockConvertMatchesReference) {
   std::memcpy(blocks, r.data(), sizeof(blocks));
   EXPECT_EQ(blocks[0].qs[0], 127);
   EXPECT_EQ(blocks[1].qs[1], 127);
+}
+
+// fuzz_session (LoadCache of a resealed stream, input
+// fuzz/corpus/fuzz_session/regress_huge_layer_shape): a stream may declare an allocated layer of
+// any shape the per-field limits allow (head_dim < 2^25, kv_heads <= 65536) while saving no cells,
+// so loading it reserves that layer over every cell of the target. The byte count of such a layer
+// is computed in size_t; with 2^21 f32 cells, [2^25 - 1, 65536] rows of 2^27 padded bytes make
+// 2^27 * 2^21 * 65536 = 2^64 bytes per block, which wrapped to 0: ReserveLayers and LoadCache
+// "succeeded" with no storage behind the layer, and the next Put wrote past the arena. A count
+// that does not fit in size_t is now kOutOfMemory, and the cache is unchanged.
+constexpr int32_t kWrapCells = 1 << 21;
+constexpr int32_t kWrapHeadDim = INT32_MAX / 64;  // the largest head_dim a layer may have
+constexpr int32_t kWrapHeads = 65536;             // the most kv heads a layer may have
+
+std::unique_ptr<CausalCache> WrapSizedCache() {
+  auto cache = NewCausalCache(ShiftFn());
+  if (!cache->Init(DType::kF32, 1, kWrapCells, 1).ok()) return nullptr;
+  return cache;
+}
+
+// The checked count agrees with the layout wherever it fits, in both V layouts.
+TEST(FuzzRegressions, CheckedBlockBytesAgreeWithTheLayout) {
+  for (DType dt : {DType::kF32, DType::kF16, DType::kBF16, DType::kQ8_0, DType::kQ4_0}) {
+    for (int32_t head_dim : {32, 64, 96, 128, 4096}) {
+      for (int32_t heads : {1, 3, 8}) {
+        for (int32_t cells : {1, 7, 256, 1000, 65536}) {
+          for (bool fastest : {false, true}) {
+            if (fastest && IsQuantized(dt)) continue;
+            size_t bytes = 0;
+            ASSERT_TRUE(CellBlockBytesFit(dt, head_dim, heads, cells, fastest, &bytes));
+            EXPECT_EQ(bytes, MakeCellBlockLayout(dt, head_dim, heads, cells, fastest).bytes)
+                << DTypeName(dt) << " " << head_dim << " " << heads << " " << cells << " "
+                << fastest;
+          }
+        }
+      }
+    }
+  }
+  size_t bytes = 0;
+  EXPECT_FALSE(CellBlockBytesFit(DType::kF32, kWrapHeadDim, kWrapHeads, kWrapCells, false, &bytes));
+  EXPECT_FALSE(CellBlockBytesFit(DType::kF16, kWrapHeadDim, kWrapHeads, 1 << 24, true, &bytes));
+  // Just below: 2^63 bytes fit.
+  EXPECT_TRUE(
+      CellBlockBytesFit(DType::kF32, kWrapHeadDim, kWrapHeads, kWrapCells / 2, false, &bytes));
+  EXPECT_EQ(bytes, size_t{1} << 63);
+}
+
+TEST(FuzzRegressions, LayerWhoseByteCountWrapsIsOutOfMemory) {
+  // The premise: the block's byte count is a multiple of 2^64.
+  const CellBlockLayout l =
+      MakeCellBlockLayout(DType::kF32, kWrapHeadDim, kWrapHeads, kWrapCells, false);
+  ASSERT_EQ(l.head_stride, size_t{1} << 48);
+  ASSERT_EQ(l.bytes, 0u);
+
+  auto cache = WrapSizedCache();
+  ASSERT_NE(cache, nullptr);
+  ASSERT_EQ(cache->NumCells(), kWrapCells);
+  const size_t memory = cache->MemoryBytes();
+  const Status s = cache->ReserveLayers(1, kWrapHeadDim, kWrapHeadDim, kWrapHeads);
+  EXPECT_EQ(s.code(), Code::kOutOfMemory) << s.message();
+  EXPECT_EQ(cache->MemoryBytes(), memory);
+  cache->SetLayer(0);
+  EXPECT_EQ(cache->Get().k.data, nullptr);
+  // Layers whose sum (not each one) overflows: 4096 layers of 2^59 bytes (K and V of 2^58).
+  const Status many = cache->ReserveLayers(4096, kWrapHeadDim / 64, kWrapHeadDim / 64, 65536);
+  EXPECT_EQ(many.code(), Code::kOutOfMemory) << many.message();
+  EXPECT_EQ(cache->MemoryBytes(), memory);
+}
+
+TEST(FuzzRegressions, StreamWithAWrappingLayerShapeLeavesTheTargetUnchanged) {
+  auto src = WrapSizedCache();
+  ASSERT_NE(src, nullptr);
+  std::vector<uint8_t> bytes;
+  ASSERT_TRUE(SaveCache(*src, &bytes).ok());
+  // Causal body (core/persistence.h): layer count at 64, then 16-byte layer records, then the
+  // cell count. Declare one allocated layer of the wrapping shape, keep zero cells, reseal.
+  constexpr size_t kLayers = 64, kLayer0 = 68;
+  ASSERT_EQ(bytes[kLayers], 0);
+  bytes[kLayers] = 1;
+  uint8_t record[16] = {1, 0, 0, 0};
+  const int32_t fields[3] = {kWrapHeadDim, kWrapHeadDim, kWrapHeads};
+  std::memcpy(record + 4, fields, sizeof(fields));
+  bytes.insert(bytes.begin() + kLayer0, record, record + 16);
+  const uint64_t total = bytes.size();
+  std::memcpy(bytes.data() + 16, &total, 8);
+  const uint32_t crc = Crc32c(0, bytes.data(), bytes.size() - 4);
+  std::memcpy(bytes.data() + bytes.size() - 4, &crc, 4);
+
+  auto target = WrapSizedCache();
+  ASSERT_NE(target, nullptr);
+  const size_t memory = target->MemoryBytes();
+  const Status s = LoadCache(bytes, target.get());
+  EXPECT_EQ(s.code(), Code::kOutOfMemory) << s.message();
+  EXPECT_EQ(target->MemoryBytes(), memory);
+  target->SetLayer(0);
+  EXPECT_EQ(target->Get().k.data, nullptr);
 }
 
 }  // namespace
