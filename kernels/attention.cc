@@ -411,8 +411,6 @@ HWY_INLINE void DotHeads2(DF df, const void* krow0, const void* krow1, const flo
 // scalar stores, which took 17% of a q8_0 decode (perf). Used for quantized K only: q8_0 decode
 // with the history in cache got 8% faster (head_dim 64 and 128, 4096 cells), f16 5% slower.
 // s[g * s_stride + r] receives row r, head g.
-constexpr bool kHaveDotHeads4 = true;
-
 // [sum x0, sum x1, sum x2, sum x3] of each 128-bit block of the result (block g of Reduce16 below)
 // is made by two interleave-add rounds inside the blocks, then the blocks are added across.
 HWY_INLINE VF PairSums(DF df, VF x, VF y) {
@@ -475,9 +473,7 @@ HWY_INLINE void DotHeads4(DF df, const char* krow0, size_t kstride, const float*
   const hn::Full128<float> d4;
   for (int g = 0; g < kG; ++g) hn::StoreU(hn::Load(d4, out + 4 * g), d4, s + g * s_stride);
 }
-#else
-constexpr bool kHaveDotHeads4 = false;
-#endif
+#endif  // AVX3
 
 // Float dtypes. Dimension chunks outside, cells inside: each head's accumulator chunk stays in a
 // register.
@@ -622,7 +618,7 @@ HWY_NOINLINE void DecodeCells(const Ctx& c, int64_t h, int64_t b, int64_t g0, in
   const size_t vrow_bytes = kPermV ? 0 : RowBytes(T, c.Dv);
   int64_t j = 0;
 #if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
-  if constexpr (kG == 4 && kHaveDotHeads4 && IsQuantized(T)) {
+  if constexpr (kG == 4 && IsQuantized(T)) {
     for (; j + 4 <= n; j += 4) {
       for (int64_t r = 0; r < 4; ++r) {
         const char* ka = kbase + static_cast<size_t>(c0 + j + r + kPrefetchCells<T>) * c.k.nb[2];
