@@ -96,7 +96,7 @@ TestHistory MakeHistory(DType dt, int D, int Dv, int Hkv, int L, bool perm, std:
 }
 
 // Mask scenarios built by the mask kernel's reference from a cell table, as the caches do.
-enum class MaskKind { kNone, kCausal, kMultiSeq, kWindow, kChunk, kEmptyRow };
+enum class MaskKind { kNone, kCausal, kMultiSeq, kWindow, kChunk, kEmptyRow, kInterleavedBias };
 
 const char* MaskName(MaskKind m) {
   switch (m) {
@@ -112,13 +112,36 @@ const char* MaskName(MaskKind m) {
       return "chunk";
     case MaskKind::kEmptyRow:
       return "emptyrow";
+    case MaskKind::kInterleavedBias:
+      return "interleavedbias";
   }
   return "?";
 }
 
 // Returns mask storage ([L, B], f32 or f16); empty for kNone.
+// kInterleavedBias: four sequences as a batched decode leaves them: a shared prompt in the first
+// third, each sequence's own run of cells, then their decode tokens in interleaved cells (row b
+// sees those of sequence b % 4); visible cells carry finite, distinct biases instead of 0, so that
+// a kernel which pairs a cell with another cell's mask value is caught.
+std::vector<uint8_t> BuildInterleavedBiasMask(int L, int B, DType mdt) {
+  std::vector<uint8_t> out(static_cast<size_t>(L) * B * BlockBytes(mdt));
+  const int prompt = L / 3, own = L / 3;
+  for (int b = 0; b < B; ++b) {
+    for (int j = 0; j < L; ++j) {
+      const int s = b % 4;
+      bool visible = j < prompt;
+      if (j >= prompt && j < prompt + own) visible = (j - prompt) * 4 / own == s;
+      if (j >= prompt + own) visible = (j - prompt - own) % 4 == s;
+      const float m = visible ? -0.05f * static_cast<float>(j % 11) : -kInf;
+      StoreFromF32(out.data(), mdt, static_cast<size_t>(b) * L + j, m);
+    }
+  }
+  return out;
+}
+
 std::vector<uint8_t> BuildTestMask(MaskKind kind, int L, int B, DType mdt, std::mt19937& rng) {
   if (kind == MaskKind::kNone) return {};
+  if (kind == MaskKind::kInterleavedBias) return BuildInterleavedBiasMask(L, B, mdt);
   std::vector<int32_t> pos(L);
   std::vector<uint64_t> bits(L);
   kernels::MaskRules rules;
@@ -383,6 +406,27 @@ TEST_P(AttentionTest, ExtremeLogitsAndOddShapes) {
     CheckCase(c, {{AttentionMode::kDecode, nullptr}, {AttentionMode::kPrefill, nullptr}});
     c.G = 12;
     CheckCase(c, {{AttentionMode::kDecode, nullptr}});
+  }
+}
+
+// Rows whose visible cells are a long shared span plus many one-cell spans (a batched decode of
+// several sequences), with non-zero mask values on visible cells: the decode kernel gathers the
+// short spans into cell lists, and each cell must keep its own mask value.
+TEST_P(AttentionTest, InterleavedSequencesWithBiases) {
+  for (auto [dt, perm] : DTypeLayouts()) {
+    for (int G : {1, 4}) {
+      for (DType mdt : {DType::kF32, DType::kF16}) {
+        Case c;
+        c.dt = dt;
+        c.perm = perm;
+        c.G = G;
+        c.B = 7;
+        c.L = 390;
+        c.mask = MaskKind::kInterleavedBias;
+        c.mask_dt = mdt;
+        CheckCase(c, {{AttentionMode::kDecode, nullptr}, {AttentionMode::kPrefill, nullptr}});
+      }
+    }
   }
 }
 
