@@ -616,28 +616,26 @@ HWY_NOINLINE void DecodeCells(const Ctx& c, int64_t h, int64_t b, int64_t g0, in
   // on its own to reach the read bandwidth), and this piece's V rows ahead of the V pass.
   const size_t krow_bytes = RowBytes(T, c.D);
   const size_t vrow_bytes = kPermV ? 0 : RowBytes(T, c.Dv);
+  const char* k_ahead = kbase + static_cast<size_t>(c0 + kPrefetchCells<T>) * c.k.nb[2];
+  const size_t kst = c.k.nb[2], vst = c.v.nb[2];
+  const auto prefetch = [=](int64_t j) {
+    const char* ka = k_ahead + static_cast<size_t>(j) * kst;
+    for (size_t o = 0; o < krow_bytes; o += 64) hwy::Prefetch(ka + o);
+    const char* va = vrow0 + static_cast<size_t>(j) * vst;
+    for (size_t o = 0; o < vrow_bytes; o += 64) hwy::Prefetch(va + o);
+  };
   int64_t j = 0;
 #if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
   if constexpr (kG == 4 && IsQuantized(T)) {
     for (; j + 4 <= n; j += 4) {
-      for (int64_t r = 0; r < 4; ++r) {
-        const char* ka = kbase + static_cast<size_t>(c0 + j + r + kPrefetchCells<T>) * c.k.nb[2];
-        for (size_t o = 0; o < krow_bytes; o += 64) hwy::Prefetch(ka + o);
-        const char* va = vrow0 + static_cast<size_t>(j + r) * c.v.nb[2];
-        for (size_t o = 0; o < vrow_bytes; o += 64) hwy::Prefetch(va + o);
-      }
+      for (int64_t r = 0; r < 4; ++r) prefetch(j + r);
       DotHeads4<T>(df, kbase + static_cast<size_t>(c0 + j) * c.k.nb[2], c.k.nb[2], qs + g0 * c.Dp,
                    c.Dp, c.D, &s[0][j], kBlockCells + kRowPad);
     }
   }
 #endif
   for (; j + 2 <= n; j += 2) {
-    for (int64_t r = 0; r < 2; ++r) {
-      const char* ka = kbase + static_cast<size_t>(c0 + j + r + kPrefetchCells<T>) * c.k.nb[2];
-      for (size_t o = 0; o < krow_bytes; o += 64) hwy::Prefetch(ka + o);
-      const char* va = vrow0 + static_cast<size_t>(j + r) * c.v.nb[2];
-      for (size_t o = 0; o < vrow_bytes; o += 64) hwy::Prefetch(va + o);
-    }
+    for (int64_t r = 0; r < 2; ++r) prefetch(j + r);
     const char* k0 = kbase + static_cast<size_t>(c0 + j) * c.k.nb[2];
     DotHeads2<T, kG>(df, k0, k0 + c.k.nb[2], qs + g0 * c.Dp, c.Dp, c.D, &s[0][j],
                      kBlockCells + kRowPad);

@@ -513,16 +513,9 @@ void QuantizedRow(const void* src, void* dst, int64_t n) {
   QuantizedRows<S, Kind>(src, n, 1, &out);
 }
 
-using RowsFn = void (*)(const void* src, int64_t row_elems, int64_t rows, char* const* dst);
-
-// The several-rows quantizer for a float source and a quantized destination, nullptr otherwise.
-RowsFn PickQuantizedRowsFn(DType src, DType dst) {
-  const auto pick = [dst](auto s) -> RowsFn {
-    using S = decltype(s);
-    if (dst == DType::kQ8_0) return &QuantizedRows<S, Q8Kind>;
-    if (dst == DType::kQ4_0) return &QuantizedRows<S, Q4Kind>;
-    return nullptr;
-  };
+// pick(S()) for the source tag S of a float dtype; nullptr for the others.
+template <class Pick>
+auto PickForFloatSource(DType src, Pick pick) -> decltype(pick(F32T())) {
   switch (src) {
     case DType::kF32:
       return pick(F32T());
@@ -533,6 +526,18 @@ RowsFn PickQuantizedRowsFn(DType src, DType dst) {
     default:
       return nullptr;
   }
+}
+
+using RowsFn = void (*)(const void* src, int64_t row_elems, int64_t rows, char* const* dst);
+
+// The several-rows quantizer for a float source and a quantized destination, nullptr otherwise.
+RowsFn PickQuantizedRowsFn(DType src, DType dst) {
+  return PickForFloatSource(src, [dst](auto s) -> RowsFn {
+    using S = decltype(s);
+    if (dst == DType::kQ8_0) return &QuantizedRows<S, Q8Kind>;
+    if (dst == DType::kQ4_0) return &QuantizedRows<S, Q4Kind>;
+    return nullptr;
+  });
 }
 
 using RowFn = void (*)(const void* src, void* dst, int64_t n);
@@ -558,7 +563,7 @@ RowFn PickFromSrc(DType dst) {
 // f32 -> f32), nullptr for the rest (quantized rows are not whole cache lines).
 RowFn PickStreamRowFn(DType src, DType dst) {
   if (src == dst && src != DType::kF32) return nullptr;
-  const auto pick = [dst](auto s) -> RowFn {
+  return PickForFloatSource(src, [dst](auto s) -> RowFn {
     using S = decltype(s);
     switch (dst) {
       case DType::kF32:
@@ -570,17 +575,7 @@ RowFn PickStreamRowFn(DType src, DType dst) {
       default:
         return nullptr;
     }
-  };
-  switch (src) {
-    case DType::kF32:
-      return pick(F32T());
-    case DType::kF16:
-      return pick(F16T());
-    case DType::kBF16:
-      return pick(BF16T());
-    default:
-      return nullptr;
-  }
+  });
 }
 
 // The row converter for (src, dst). Precondition: IsFloatDType(src).
