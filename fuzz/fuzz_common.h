@@ -23,7 +23,7 @@ namespace kvfuzz {
 // and the fuzzer checks that the target is then unchanged. Without a budget the request reaches
 // aligned_alloc, where ASan (above 1 TiB) and libFuzzer's malloc limit (above -rss_limit_mb)
 // abort instead of returning nullptr.
-inline constexpr size_t kMaxAllocation = size_t{256} << 20;
+inline constexpr size_t kMaxAllocation = size_t{64} << 20;
 
 inline kv::ArenaAllocator BudgetAllocator() {
   kv::ArenaAllocator a;

@@ -221,7 +221,10 @@ void FuzzSequence(Reader& r) {
   auto make = [&]() {
     return max_size ? kv::NewRotatingKVCache(max_size, keep, dtype) : kv::NewKVCache(dtype);
   };
-  auto fill = [&](kv::SequenceCache* c, int updates) {
+  // strict: every Update must succeed. After a load it may not: the stream's shapes or offset
+  // (a resealed stream may hold any offset, e.g. INT32_MAX - 1) can refuse more tokens, which
+  // must then be kInvalidArgument with the cache unchanged.
+  auto fill = [&](kv::SequenceCache* c, int updates, bool strict = true) {
     const int d = kv::IsQuantized(dtype) ? 32 : 4;
     for (int u = 0; u < updates; ++u) {
       const int n = r.Int(1, 6);
@@ -229,7 +232,16 @@ void FuzzSequence(Reader& r) {
       for (size_t i = 0; i < k.size(); ++i) k[i] = static_cast<float>((i * 5 + u) % 17) - 8.0f;
       const TensorView v = kv::MakeView(k.data(), DType::kF32, {d, n, 2, 1});
       TensorView ko, vo;
-      FUZZ_CHECK(c->Update(v, v, n, &ko, &vo).ok(), "Update failed");
+      std::vector<uint8_t> pre;
+      if (!strict) FUZZ_CHECK(kv::SaveSequenceCache(*c, &pre).ok(), "save before Update");
+      const Status us = c->Update(v, v, n, &ko, &vo);
+      if (us.ok()) continue;
+      FUZZ_CHECK(!strict, "Update failed: %s", us.message());
+      FUZZ_CHECK(us.code() == kv::Code::kInvalidArgument, "Update after a load: %s", us.message());
+      std::vector<uint8_t> post;
+      FUZZ_CHECK(kv::SaveSequenceCache(*c, &post).ok() && post == pre,
+                 "failing Update (%s) changed the cache", us.message());
+      return;
     }
   };
   auto src = make();
@@ -249,7 +261,7 @@ void FuzzSequence(Reader& r) {
     return;
   }
   if (stream == pristine) FUZZ_CHECK(after == pristine, "sequence stream does not round-trip");
-  fill(target.get(), 2);
+  fill(target.get(), 2, /*strict=*/false);
 }
 
 // The encoder cache: images of fuzzed shapes and input dtypes in one or more sequences (shared or
