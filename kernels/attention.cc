@@ -282,14 +282,21 @@ HWY_INLINE hn::Vec128<float> BlocksTo128(hn::Vec512<float> v) {
   return BlocksTo128(hn::Add(hn::LowerHalf(v), hn::UpperHalf(hn::Full256<float>(), v)));
 }
 #endif
-HWY_INLINE hn::Vec128<float> Reduce4(DF df, VF a0, VF a1, VF a2, VF a3) {
-  const VF t0 = hn::Add(hn::InterleaveLower(df, a0, a1), hn::InterleaveUpper(df, a0, a1));
-  const VF t1 = hn::Add(hn::InterleaveLower(df, a2, a3), hn::InterleaveUpper(df, a2, a3));
+// Each 128-bit block of the result holds [sum x0, sum x1, sum x2, sum x3] over that block's lanes:
+// two interleave-add rounds inside the blocks.
+HWY_INLINE VF PairSums(DF df, VF x, VF y) {
+  return hn::Add(hn::InterleaveLower(df, x, y), hn::InterleaveUpper(df, x, y));
+}
+HWY_INLINE VF QuadSums(DF df, VF x0, VF x1, VF x2, VF x3) {
+  const VF t0 = PairSums(df, x0, x1);
+  const VF t1 = PairSums(df, x2, x3);
   const hn::Repartition<uint64_t, DF> du;
-  const VF u =
-      hn::Add(hn::BitCast(df, hn::InterleaveLower(du, hn::BitCast(du, t0), hn::BitCast(du, t1))),
-              hn::BitCast(df, hn::InterleaveUpper(du, hn::BitCast(du, t0), hn::BitCast(du, t1))));
-  return BlocksTo128(u);
+  return hn::Add(
+      hn::BitCast(df, hn::InterleaveLower(du, hn::BitCast(du, t0), hn::BitCast(du, t1))),
+      hn::BitCast(df, hn::InterleaveUpper(du, hn::BitCast(du, t0), hn::BitCast(du, t1))));
+}
+HWY_INLINE hn::Vec128<float> Reduce4(DF df, VF a0, VF a1, VF a2, VF a3) {
+  return BlocksTo128(QuadSums(df, a0, a1, a2, a3));
 }
 #endif
 
@@ -411,19 +418,6 @@ HWY_INLINE void DotHeads2(DF df, const void* krow0, const void* krow1, const flo
 // scalar stores, which took 17% of a q8_0 decode (perf). Used for quantized K only: q8_0 decode
 // with the history in cache got 8% faster (head_dim 64 and 128, 4096 cells), f16 5% slower.
 // s[g * s_stride + r] receives row r, head g.
-// [sum x0, sum x1, sum x2, sum x3] of each 128-bit block of the result (block g of Reduce16 below)
-// is made by two interleave-add rounds inside the blocks, then the blocks are added across.
-HWY_INLINE VF PairSums(DF df, VF x, VF y) {
-  return hn::Add(hn::InterleaveLower(df, x, y), hn::InterleaveUpper(df, x, y));
-}
-HWY_INLINE VF QuadSums(DF df, VF x0, VF x1, VF x2, VF x3) {
-  const VF t0 = PairSums(df, x0, x1);
-  const VF t1 = PairSums(df, x2, x3);
-  const hn::Repartition<uint64_t, DF> du;
-  return hn::Add(
-      hn::BitCast(df, hn::InterleaveLower(du, hn::BitCast(du, t0), hn::BitCast(du, t1))),
-      hn::BitCast(df, hn::InterleaveUpper(du, hn::BitCast(du, t0), hn::BitCast(du, t1))));
-}
 // Blocks [a0 + a1, a2 + a3, b0 + b1, b2 + b3] of 128 bits.
 HWY_INLINE VF BlockPairSums(VF a, VF b) {
   return VF{_mm512_add_ps(_mm512_shuffle_f32x4(a.raw, b.raw, 0x88),
@@ -433,35 +427,25 @@ HWY_INLINE VF BlockPairSums(VF a, VF b) {
 template <DType T>
 HWY_INLINE void DotHeads4(DF df, const char* krow0, size_t kstride, const float* qs, int64_t Dp,
                           int64_t D, float* s, int64_t s_stride) {
+  static_assert(IsQuantized(T), "float K keeps DotHeads2 (see above)");
   constexpr int kR = 4, kG = 4;
   VF acc[kR][kG];
   for (int r = 0; r < kR; ++r)
     for (int g = 0; g < kG; ++g) acc[r][g] = hn::Zero(df);
-  if constexpr (IsQuantized(T)) {
-    const float* q = qs;
-    for (int64_t blk = 0; blk < D / 32; ++blk) {
-      const char* b = krow0 + blk * BlockBytes(T);
-      VF sc[kR];
-      for (int r = 0; r < kR; ++r) sc[r] = hn::Set(df, BlockScale<T>(b + r * kstride, 0));
-      for (int64_t w = 0; w < 32; w += kN) {
-        VF k[kR];
-        for (int r = 0; r < kR; ++r) k[r] = hn::Mul(LoadCodes<T>(df, b + r * kstride, w), sc[r]);
-        for (int g = 0; g < kG; ++g) {
-          const VF qv = hn::LoadU(df, q + g * Dp + w);
-          for (int r = 0; r < kR; ++r) acc[r][g] = hn::MulAdd(qv, k[r], acc[r][g]);
-        }
-      }
-      q += 32;
-    }
-  } else {
-    for (int64_t i = 0; i < D; i += kN) {
+  const float* q = qs;
+  for (int64_t blk = 0; blk < D / 32; ++blk) {
+    const char* b = krow0 + blk * BlockBytes(T);
+    VF sc[kR];
+    for (int r = 0; r < kR; ++r) sc[r] = hn::Set(df, BlockScale<T>(b + r * kstride, 0));
+    for (int64_t w = 0; w < 32; w += kN) {
       VF k[kR];
-      for (int r = 0; r < kR; ++r) k[r] = LoadK<T>(df, krow0 + r * kstride, i, D, hn::Zero(df));
+      for (int r = 0; r < kR; ++r) k[r] = hn::Mul(LoadCodes<T>(df, b + r * kstride, w), sc[r]);
       for (int g = 0; g < kG; ++g) {
-        const VF qv = hn::LoadU(df, qs + g * Dp + i);
+        const VF qv = hn::LoadU(df, q + g * Dp + w);
         for (int r = 0; r < kR; ++r) acc[r][g] = hn::MulAdd(qv, k[r], acc[r][g]);
       }
     }
+    q += 32;
   }
   // u[g]: block b holds head g's partial sums of rows 0..3 over block b's lanes.
   VF u[kG];
