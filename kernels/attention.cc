@@ -415,8 +415,9 @@ HWY_INLINE void DotHeads2(DF df, const void* krow0, const void* krow1, const flo
 // Four K rows x four heads, AVX-512 only (25 of its 32 registers; AVX2 would spill). Each q vector
 // is loaded once for four rows, and the 16 dot products are summed in one transposing reduction:
 // 45 shuffles and adds and four 128-bit stores instead of two DotHeads2 reductions (52) and 16
-// scalar stores, which took 17% of a q8_0 decode (perf). Used for quantized K only: q8_0 decode
-// with the history in cache got 8% faster (head_dim 64 and 128, 4096 cells), f16 5% slower.
+// scalar stores, which took 17% of a q8_0 decode (perf). Every dtype: on the Zen 5 of session 4
+// (history in cache, 1 thread) f16 decode got 6% (head_dim 128) to 17% (64) faster; an earlier
+// machine had measured f16 5% slower. Float K rows need D % kN == 0 (no tail handling here).
 // s[g * s_stride + r] receives row r, head g.
 // Blocks [a0 + a1, a2 + a3, b0 + b1, b2 + b3] of 128 bits.
 HWY_INLINE VF BlockPairSums(VF a, VF b) {
@@ -427,25 +428,35 @@ HWY_INLINE VF BlockPairSums(VF a, VF b) {
 template <DType T>
 HWY_INLINE void DotHeads4(DF df, const char* krow0, size_t kstride, const float* qs, int64_t Dp,
                           int64_t D, float* s, int64_t s_stride) {
-  static_assert(IsQuantized(T), "float K keeps DotHeads2 (see above)");
   constexpr int kR = 4, kG = 4;
   VF acc[kR][kG];
   for (int r = 0; r < kR; ++r)
     for (int g = 0; g < kG; ++g) acc[r][g] = hn::Zero(df);
   const float* q = qs;
-  for (int64_t blk = 0; blk < D / 32; ++blk) {
-    const char* b = krow0 + blk * BlockBytes(T);
-    VF sc[kR];
-    for (int r = 0; r < kR; ++r) sc[r] = hn::Set(df, BlockScale<T>(b + r * kstride, 0));
-    for (int64_t w = 0; w < 32; w += kN) {
+  if constexpr (!IsQuantized(T)) {
+    for (int64_t i = 0; i < D; i += kN) {
       VF k[kR];
-      for (int r = 0; r < kR; ++r) k[r] = hn::Mul(LoadCodes<T>(df, b + r * kstride, w), sc[r]);
+      for (int r = 0; r < kR; ++r) k[r] = LoadFloat<T>(df, krow0 + r * kstride, i);
       for (int g = 0; g < kG; ++g) {
-        const VF qv = hn::LoadU(df, q + g * Dp + w);
+        const VF qv = hn::LoadU(df, q + g * Dp + i);
         for (int r = 0; r < kR; ++r) acc[r][g] = hn::MulAdd(qv, k[r], acc[r][g]);
       }
     }
-    q += 32;
+  } else {
+    for (int64_t blk = 0; blk < D / 32; ++blk) {
+      const char* b = krow0 + blk * BlockBytes(T);
+      VF sc[kR];
+      for (int r = 0; r < kR; ++r) sc[r] = hn::Set(df, BlockScale<T>(b + r * kstride, 0));
+      for (int64_t w = 0; w < 32; w += kN) {
+        VF k[kR];
+        for (int r = 0; r < kR; ++r) k[r] = hn::Mul(LoadCodes<T>(df, b + r * kstride, w), sc[r]);
+        for (int g = 0; g < kG; ++g) {
+          const VF qv = hn::LoadU(df, q + g * Dp + w);
+          for (int r = 0; r < kR; ++r) acc[r][g] = hn::MulAdd(qv, k[r], acc[r][g]);
+        }
+      }
+      q += 32;
+    }
   }
   // u[g]: block b holds head g's partial sums of rows 0..3 over block b's lanes.
   VF u[kG];
@@ -610,8 +621,9 @@ HWY_NOINLINE void DecodeCells(const Ctx& c, int64_t h, int64_t b, int64_t g0, in
   };
   int64_t j = 0;
 #if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
-  if constexpr (kG == 4 && IsQuantized(T)) {
-    for (; j + 4 <= n; j += 4) {
+  if constexpr (kG == 4) {
+    const int64_t n4 = IsQuantized(T) || c.D % static_cast<int64_t>(kN) == 0 ? n : 0;
+    for (; j + 4 <= n4; j += 4) {
       for (int64_t r = 0; r < 4; ++r) prefetch(j + r);
       DotHeads4<T>(df, kbase + static_cast<size_t>(c0 + j) * c.k.nb[2], c.k.nb[2], qs + g0 * c.Dp,
                    c.Dp, c.D, &s[0][j], kBlockCells + kRowPad);
