@@ -61,8 +61,8 @@ inline int64_t PartialStride(const Ctx& c) { return c.Dvp + kRowPad; }
 // reallocates below ~128K cells, and beyond that it reallocates O(log L) times.
 inline float* ThreadScratch(size_t floats, int which) {
   constexpr size_t kMinFloats = size_t{1} << 16;
-  thread_local hwy::AlignedFreeUniquePtr<float[]> buf[2];
-  thread_local size_t cap[2] = {0, 0};
+  thread_local hwy::AlignedFreeUniquePtr<float[]> buf[3];
+  thread_local size_t cap[3] = {0, 0, 0};
   if (cap[which] < floats) {
     const size_t grown = std::max({floats, 2 * cap[which], kMinFloats});
     buf[which] = hwy::AllocateAligned<float>(grown);
@@ -678,6 +678,48 @@ HWY_INLINE void DecodeCellsAllHeads(const Ctx& c, int64_t h, int64_t b, int64_t 
   if (c.G - g >= 1) DecodeCells<T, kPermV, 1>(c, h, b, g, c0, n, qs, rows);
 }
 
+// Spans shorter than this are gathered (see DecodeGathered).
+constexpr int64_t kShortSpan = 16;
+
+// Cells `cells[0..n)` (ascending, all visible to row b) for every query head of KV head h, from a
+// contiguous copy: head h's K and V rows and row b's mask values are copied to per-thread scratch,
+// and DecodeCellsAllHeads runs on a Ctx whose views describe the copy as cells [0, n). Batched
+// decode puts each sequence's new tokens in interleaved cells, so without this every row sees
+// runs of one-cell spans, each paying a softmax step and a pass over the accumulators. Plain V
+// only (a permuted V row is one element per dimension line).
+template <DType T>
+HWY_NOINLINE void DecodeGathered(const Ctx& c, int64_t h, int64_t b, const int32_t* cells,
+                                 int64_t n, const float* qs, float* rows) {
+  const size_t krb = RowBytes(T, c.D), vrb = RowBytes(T, c.Dv);
+  const size_t kbytes = (static_cast<size_t>(n) * krb + 63) / 64 * 64;
+  const size_t vbytes = (static_cast<size_t>(n) * vrb + 63) / 64 * 64;
+  char* kbuf = reinterpret_cast<char*>(
+      attn::ThreadScratch((kbytes + vbytes) / 4 + static_cast<size_t>(attn::Pad(n)), 2));
+  char* vbuf = kbuf + kbytes;
+  float* mbuf = reinterpret_cast<float*>(vbuf + vbytes);
+  const char* ksrc = static_cast<const char*>(c.k.data) + static_cast<size_t>(h) * c.k.nb[1];
+  const char* vsrc = static_cast<const char*>(c.v.data) + static_cast<size_t>(h) * c.v.nb[1];
+  for (int64_t i = 0; i < n; ++i) {
+    std::memcpy(kbuf + static_cast<size_t>(i) * krb,
+                ksrc + static_cast<size_t>(cells[i]) * c.k.nb[2], krb);
+    std::memcpy(vbuf + static_cast<size_t>(i) * vrb,
+                vsrc + static_cast<size_t>(cells[i]) * c.v.nb[2], vrb);
+    mbuf[i] = attn::MaskValue(c.mask, b, cells[i]);
+  }
+  Ctx g = c;
+  g.k.data = kbuf;
+  g.k.nb[1] = 0;  // the copy holds head h only
+  g.k.nb[2] = krb;
+  g.v.data = vbuf;
+  g.v.nb[1] = 0;
+  g.v.nb[2] = vrb;
+  g.mask.data = mbuf;  // row b's values, read as row 0 of an f32 mask
+  g.mask.dtype = DType::kF32;
+  g.mask.nb[0] = sizeof(float);
+  g.mask.nb[1] = 0;
+  DecodeCellsAllHeads<T, false>(g, 0, b, 0, n, qs, rows);
+}
+
 template <DType T, bool kPermV>
 void DecodeTask(const Ctx& c, int64_t task) {
   const DF df;
@@ -730,15 +772,29 @@ void DecodeTask(const Ctx& c, int64_t task) {
       const int32_t* sp = c.spans + 2 * c.span_off[b];
       const int64_t ns = c.span_off[b + 1] - c.span_off[b];
       int64_t& cur = cursor[b];
+      int32_t short_cells[kBlockCells];  // cells of this block's short spans, gathered
+      int64_t n_short = 0, short_spans = 0;
       while (cur < ns && sp[2 * cur] < blk1) {
         const int64_t s0 = std::max<int64_t>(sp[2 * cur], blk0);
         const int64_t s1 = std::min<int64_t>(sp[2 * cur + 1], blk1);
-        if (s1 > s0) {
+        if (s1 > s0 && !kPermV && s1 - s0 < kShortSpan) {
+          for (int64_t j = s0; j < s1; ++j) short_cells[n_short++] = static_cast<int32_t>(j);
+          ++short_spans;
+        } else if (s1 > s0) {
           DecodeCellsAllHeads<T, kPermV>(c, h, b, s0, s1 - s0, qs + b * c.G * c.Dp,
                                          part + b * c.G * rs);
         }
         if (sp[2 * cur + 1] > blk1) break;  // the span goes on into the next block
         ++cur;
+      }
+      if constexpr (!kPermV) {
+        if (short_spans == 1) {  // contiguous: nothing to gain from a copy
+          DecodeCellsAllHeads<T, kPermV>(c, h, b, short_cells[0], n_short, qs + b * c.G * c.Dp,
+                                         part + b * c.G * rs);
+        } else if (short_spans > 1) {
+          DecodeGathered<T>(c, h, b, short_cells, n_short, qs + b * c.G * c.Dp,
+                            part + b * c.G * rs);
+        }
       }
     }
   }
