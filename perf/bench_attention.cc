@@ -135,9 +135,9 @@ double FmaPeak(int threads) {
 class ReadSlicer {
  public:
   explicit ReadSlicer(kv::ThreadPool* pool) : pool_(pool) {
-    static hwy::AlignedFreeUniquePtr<uint64_t[]> buf;
+    static kvbench::ArenaLikePtr<uint64_t> buf;
     if (!buf) {
-      buf = hwy::AllocateAligned<uint64_t>(kBytes / 8);
+      buf = kvbench::AllocateArenaLike<uint64_t>(kBytes / 8);
       for (size_t i = 0; i < kBytes / 8; ++i) buf[i] = i;
     }
     data_ = buf.get();
@@ -159,7 +159,7 @@ class ReadSlicer {
 
 struct Setup {
   kv::CellBlockLayout kl, vl;
-  hwy::AlignedFreeUniquePtr<uint8_t[]> kbuf, vbuf;
+  kvbench::ArenaLikePtr<uint8_t> kbuf, vbuf;  // as a cache's arena allocates them
   std::vector<float> q, out, mask;
   kv::History hist;
   kv::TensorView qv, ov;
@@ -170,8 +170,8 @@ Setup MakeSetup(kv::DType dt, int D, int Hkv, int G, int L, int B, bool with_mas
   Setup s;
   s.kl = kv::MakeCellBlockLayout(dt, D, Hkv, L, false);
   s.vl = s.kl;
-  s.kbuf = hwy::AllocateAligned<uint8_t>(s.kl.bytes);
-  s.vbuf = hwy::AllocateAligned<uint8_t>(s.vl.bytes);
+  s.kbuf = kvbench::AllocateArenaLike<uint8_t>(s.kl.bytes);
+  s.vbuf = kvbench::AllocateArenaLike<uint8_t>(s.vl.bytes);
   std::mt19937 rng(42);
   std::uniform_real_distribution<float> u(-1.0f, 1.0f);
   std::vector<float> row(D);

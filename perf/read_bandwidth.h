@@ -14,12 +14,27 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <vector>
 
+#include "core/arena.h"
 #include "core/thread_pool.h"
-#include "hwy/aligned_allocator.h"
 
 namespace kvbench {
+
+// Memory as the caches get theirs: from the library's default allocator (regions of 2 MiB and more
+// are 2 MiB-aligned and madvised for huge pages), so that a kernel reading a history laid out by
+// hand and the baseline it is compared with see the same kind of pages as a real cache.
+struct ArenaLikeFree {
+  void operator()(void* p) const { kv::SystemAllocator().release(p, nullptr); }
+};
+template <class T>
+using ArenaLikePtr = std::unique_ptr<T[], ArenaLikeFree>;
+template <class T>
+ArenaLikePtr<T> AllocateArenaLike(size_t count) {
+  return ArenaLikePtr<T>(
+      static_cast<T*>(kv::SystemAllocator().allocate(count * sizeof(T), nullptr)));
+}
 
 namespace read_bandwidth_internal {
 struct Parts {
@@ -64,7 +79,7 @@ inline double ReadPassBytesPerSecond(kv::ThreadPool* pool, const uint64_t* data,
 inline double MeasureReadBandwidth(kv::ThreadPool* pool, size_t bytes = size_t{256} << 20,
                                    int reps = 5) {
   const size_t words = bytes / 8;
-  auto buf = hwy::AllocateAligned<uint64_t>(words);
+  auto buf = AllocateArenaLike<uint64_t>(words);
   for (size_t i = 0; i < words; ++i) buf[i] = i;
   const int64_t parts = std::min<int64_t>(256, int64_t{pool->NumThreads()} * 8);
   double best = 0;
