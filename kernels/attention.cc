@@ -76,6 +76,19 @@ inline float MaskValue(const TensorView& mask, int64_t b, int64_t j) {
   return ElementAsF32(mask, j, b);
 }
 
+// Calls emit(s0, s1) for each maximal run [s0, s1) of cells j in [0, L) where masked(j) is false.
+template <class Masked, class Emit>
+void ForEachVisibleSpan(int64_t L, const Masked& masked, const Emit& emit) {
+  int64_t j = 0;
+  while (j < L) {
+    while (j < L && masked(j)) ++j;
+    if (j == L) break;
+    const int64_t s0 = j;
+    while (j < L && !masked(j)) ++j;
+    emit(s0, j);
+  }
+}
+
 // f16 scale of a quantized block to f32: exact for zero, subnormal and normal values (the bits are
 // placed as an f32 with the exponent rebias done by one multiply); inf/NaN take the slow path.
 inline float F16ScaleToF32(uint16_t h) {
@@ -1206,19 +1219,41 @@ void Attention(const TensorView& q, const TensorView& k, const TensorView& v,
         }
       }
     } else {
-      int64_t j = 0;
-      while (j < c.L) {
-        while (j < c.L && attn::MaskValue(mask, b, j) == neg_inf) ++j;
-        if (j == c.L) break;
-        const int64_t s0 = j;
-        while (j < c.L && attn::MaskValue(mask, b, j) != neg_inf) ++j;
+      const auto emit = [&](int64_t s0, int64_t s1) {
         if (use_decode) {
           spans[2 * ns] = static_cast<int32_t>(s0);
-          spans[2 * ns + 1] = static_cast<int32_t>(j);
+          spans[2 * ns + 1] = static_cast<int32_t>(s1);
           ++ns;
         }
         lo = std::min<int32_t>(lo, static_cast<int32_t>(s0));
-        hi = static_cast<int32_t>(j);
+        hi = static_cast<int32_t>(s1);
+      };
+      // Every cell of every row is looked at on each call: f32 and f16 masks are compared as bits
+      // with the one encoding of -inf (the only one that converts to -inf) instead of converting
+      // each element.
+      const char* mrow = static_cast<const char*>(mask.data) + static_cast<size_t>(b) * mask.nb[1];
+      const size_t mstride = mask.nb[0];
+      if (mask.dtype == DType::kF32) {
+        attn::ForEachVisibleSpan(
+            c.L,
+            [&](int64_t j) {
+              uint32_t bits;
+              std::memcpy(&bits, mrow + static_cast<size_t>(j) * mstride, sizeof(bits));
+              return bits == 0xFF800000u;
+            },
+            emit);
+      } else if (mask.dtype == DType::kF16) {
+        attn::ForEachVisibleSpan(
+            c.L,
+            [&](int64_t j) {
+              uint16_t bits;
+              std::memcpy(&bits, mrow + static_cast<size_t>(j) * mstride, sizeof(bits));
+              return bits == 0xFC00u;
+            },
+            emit);
+      } else {
+        attn::ForEachVisibleSpan(
+            c.L, [&](int64_t j) { return attn::MaskValue(mask, b, j) == neg_inf; }, emit);
       }
     }
     span_off[b + 1] = ns;
