@@ -1233,24 +1233,20 @@ void Attention(const TensorView& q, const TensorView& k, const TensorView& v,
       // each element.
       const char* mrow = static_cast<const char*>(mask.data) + static_cast<size_t>(b) * mask.nb[1];
       const size_t mstride = mask.nb[0];
+      const auto scan_bits = [&](auto neg_inf_bits) {
+        attn::ForEachVisibleSpan(
+            c.L,
+            [&](int64_t j) {
+              decltype(neg_inf_bits) bits;
+              std::memcpy(&bits, mrow + static_cast<size_t>(j) * mstride, sizeof(bits));
+              return bits == neg_inf_bits;
+            },
+            emit);
+      };
       if (mask.dtype == DType::kF32) {
-        attn::ForEachVisibleSpan(
-            c.L,
-            [&](int64_t j) {
-              uint32_t bits;
-              std::memcpy(&bits, mrow + static_cast<size_t>(j) * mstride, sizeof(bits));
-              return bits == 0xFF800000u;
-            },
-            emit);
+        scan_bits(uint32_t{0xFF800000u});
       } else if (mask.dtype == DType::kF16) {
-        attn::ForEachVisibleSpan(
-            c.L,
-            [&](int64_t j) {
-              uint16_t bits;
-              std::memcpy(&bits, mrow + static_cast<size_t>(j) * mstride, sizeof(bits));
-              return bits == 0xFC00u;
-            },
-            emit);
+        scan_bits(uint16_t{0xFC00u});
       } else {
         attn::ForEachVisibleSpan(
             c.L, [&](int64_t j) { return attn::MaskValue(mask, b, j) == neg_inf; }, emit);
