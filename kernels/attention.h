@@ -23,8 +23,9 @@
 //     group from L1. Traffic = Hkv * R * |union over b of visible(b)|: one pass, independent of the
 //     GQA ratio and of B. Masked runs are skipped by range (spans found once per batch row), so
 //     hidden cells cost no traffic. The history is split into chunks across threads (flash
-//     decoding); each task writes (m, l, acc) partials that one merge pass combines: Hkv * chunks *
-//     B * G * (Dv + 2) floats, small next to the history.
+//     decoding; KV heads are split too only when the chunks are too few); each task writes (m, l,
+//     acc) partials that one merge pass combines: Hkv * chunks * B * G * (Dv + 2) floats, small
+//     next to the history.
 //   prefill (B large): tasks are (KV head, tile of Bt = clamp(128 / G, 1, 64) batch rows); each
 //     tile of 4 vectors' worth of cells (64 on AVX-512) is converted to f32 once (K transposed,
 //     V as rows) and reused by the Bt * G (~128) query rows of the task from L1/L2.

@@ -345,7 +345,9 @@ TEST_P(AttentionTest, Batch512) {
   }
 }
 
-// Long histories: the decode split into chunks and its merge, threads 1 and 2.
+// Long histories: the decode split into chunks and its merge, threads 1 and 2. With 2 threads
+// L 1100 gives 3 chunks of 384 cells, and Hkv 5 puts heads {0, 1}, {2, 3} and {4} in the tasks of
+// each chunk (Hkv 2: one head per task); 1 thread runs everything as one task.
 TEST_P(AttentionTest, LongHistoryThreads) {
   ThreadPool pool2(2);
   int mi = 0;
@@ -355,9 +357,9 @@ TEST_P(AttentionTest, LongHistoryThreads) {
     c.perm = perm;
     c.D = c.Dv = 128;
     c.G = 4;
-    c.Hkv = 2;
+    c.Hkv = (mi % 2) ? 2 : 5;
     c.B = (mi % 2) ? 1 : 3;
-    c.L = 1100;  // 3 chunks of 384 with 2 threads, 2 with 1: the split and its merge
+    c.L = 1100;
     c.mask =
         (mi % 3 == 0) ? MaskKind::kWindow : (mi % 3 == 1 ? MaskKind::kMultiSeq : MaskKind::kNone);
     c.sinks = mi % 2 == 0;
