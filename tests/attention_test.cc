@@ -345,9 +345,10 @@ TEST_P(AttentionTest, Batch512) {
   }
 }
 
-// Long histories: the decode split into chunks and its merge, threads 1 and 2. With 2 threads
-// L 1100 gives 3 chunks of 384 cells, and Hkv 5 puts heads {0, 1}, {2, 3} and {4} in the tasks of
-// each chunk (Hkv 2: one head per task); 1 thread runs everything as one task.
+// Long histories: the decode split into chunks and its merge, threads 1 and 2. L 2100 on 2 threads
+// gives one task per KV head and chunk (Hkv 2: 4 chunks of 640 cells; Hkv 5: 2 of 1152); on one
+// thread a single task walks every head. The last case is long enough for 2 threads to split the
+// cells into 8 chunks whose tasks walk every head.
 TEST_P(AttentionTest, LongHistoryThreads) {
   ThreadPool pool2(2);
   int mi = 0;
@@ -359,12 +360,24 @@ TEST_P(AttentionTest, LongHistoryThreads) {
     c.G = 4;
     c.Hkv = (mi % 2) ? 2 : 5;
     c.B = (mi % 2) ? 1 : 3;
-    c.L = 1100;
+    c.L = 2100;
     c.mask =
         (mi % 3 == 0) ? MaskKind::kWindow : (mi % 3 == 1 ? MaskKind::kMultiSeq : MaskKind::kNone);
     c.sinks = mi % 2 == 0;
     ++mi;
     CheckCase(c, {{AttentionMode::kDecode, nullptr}, {AttentionMode::kDecode, &pool2}});
+  }
+  {
+    Case c;
+    c.dt = DType::kF16;
+    c.D = c.Dv = 64;
+    c.G = 4;
+    c.Hkv = 3;
+    c.B = 2;
+    c.L = 8 * 4096 + 300;
+    c.mask = MaskKind::kMultiSeq;
+    c.sinks = true;
+    CheckCase(c, {{AttentionMode::kDecode, &pool2}});
   }
   Case c;
   c.dt = DType::kF16;
