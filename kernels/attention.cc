@@ -1198,9 +1198,9 @@ void Attention(const TensorView& q, const TensorView& k, const TensorView& v,
     // after the other: on 2 threads at 32768 cells that was 7-13% faster than one task per KV head
     // over the whole history (calls alternating, session 5). Shorter histories keep tasks per KV
     // head (split into chunks only when there are fewer heads than tasks wanted): at 4096 cells
-    // they were up to 10% faster than 8 chunks of 512 cells, and kvperf's 4-sequence decode
-    // (~5600 cells) lost 5-10% with chunks. Walking every head of a 128-cell block before the
-    // next block (whole rows at a time) was 5-25% slower than head after head.
+    // they were up to 10% faster than 8 chunks of 512 cells (head_dim 64). Walking every head of
+    // a 128-cell block before the next block (whole rows at a time) was 5-25% slower than head
+    // after head.
     const int64_t target_tasks = 4 * static_cast<int64_t>(threads);
     constexpr int64_t kMinChunk = 512;  // below this, the merge costs more than the split saves
     constexpr int64_t kMinCellChunk = 4096;  // chunks of all heads: no shorter than this
