@@ -128,6 +128,25 @@ static_assert(32 % kN == 0, "a vector never straddles a quantized block");
 
 // ---- loading a run of elements of one row as f32 ----------------------------------------------
 
+// f16 -> f32, exact for every input. Targets without F16C get Highway 1.0.3's software conversion,
+// which reads exponent 31 as 2^16 * (1 + m / 1024); those lanes (inf, NaN) are rebuilt here.
+template <class D, class VH>
+HWY_INLINE hn::Vec<D> PromoteF16(D df, VH h) {
+  const hn::Vec<D> f = hn::PromoteTo(df, h);
+#if HWY_TARGET >= HWY_SSE4 || defined(HWY_DISABLE_F16C)
+  const hn::RebindToUnsigned<D> du;
+  const hn::Rebind<uint16_t, D> du16;
+  const auto bits = hn::PromoteTo(du, hn::BitCast(du16, h));
+  const auto special = hn::Eq(hn::And(bits, hn::Set(du, 0x7C00u)), hn::Set(du, 0x7C00u));
+  const auto rebuilt = hn::Or(
+      hn::ShiftLeft<16>(hn::And(bits, hn::Set(du, 0x8000u))),
+      hn::Or(hn::Set(du, 0x7F800000u), hn::ShiftLeft<13>(hn::And(bits, hn::Set(du, 0x3FFu)))));
+  return hn::IfThenElse(hn::RebindMask(df, special), hn::BitCast(df, rebuilt), f);
+#else
+  return f;
+#endif
+}
+
 // Elements [i, i + kN) of a float-typed row. Precondition: i + kN <= row length.
 template <DType T>
 HWY_INLINE VF LoadFloat(DF df, const void* row, int64_t i) {
@@ -135,7 +154,7 @@ HWY_INLINE VF LoadFloat(DF df, const void* row, int64_t i) {
     return hn::LoadU(df, static_cast<const float*>(row) + i);
   } else if constexpr (T == DType::kF16) {
     const hn::Rebind<hwy::float16_t, DF> dh;
-    return hn::PromoteTo(df, hn::LoadU(dh, static_cast<const hwy::float16_t*>(row) + i));
+    return PromoteF16(df, hn::LoadU(dh, static_cast<const hwy::float16_t*>(row) + i));
   } else {
     const hn::Rebind<hwy::bfloat16_t, DF> db;
     return hn::PromoteTo(df, hn::LoadU(db, static_cast<const hwy::bfloat16_t*>(row) + i));
@@ -177,12 +196,12 @@ HWY_INLINE float BlockScale(const void* row, int64_t blk) {
 #if HWY_TARGET == HWY_SCALAR
   return attn::F16ScaleToF32(bits);
 #else
-  // One vector f16 -> f32 conversion (F16C on AVX2/AVX-512; exact everywhere) instead of the
+  // One vector f16 -> f32 conversion (F16C on AVX2/AVX-512; PromoteF16 is exact) instead of the
   // branchy bit arithmetic: the K loop converts one scale per row and block.
   const hn::CappedTag<float, 1> d1;
   const hn::Rebind<uint16_t, decltype(d1)> du1;
   const hn::Rebind<hwy::float16_t, decltype(d1)> dh1;
-  return hn::GetLane(hn::PromoteTo(d1, hn::BitCast(dh1, hn::Set(du1, bits))));
+  return hn::GetLane(PromoteF16(d1, hn::BitCast(dh1, hn::Set(du1, bits))));
 #endif
 }
 
@@ -209,8 +228,8 @@ HWY_INLINE void GatherScales(DF df, const char* row0, size_t stride, int64_t n, 
     for (int64_t j = 0; j < n; ++j) std::memcpy(&tmp[j], p + static_cast<size_t>(j) * stride, 2);
     for (int64_t j = n; j < attn::Pad(n); ++j) tmp[j] = 0;
     for (int64_t j = 0; j < n; j += kN) {
-      hn::Store(hn::PromoteTo(df, hn::LoadU(dh, reinterpret_cast<const hwy::float16_t*>(tmp) + j)),
-                df, out + blk * kScaleStride + j);
+      hn::Store(PromoteF16(df, hn::LoadU(dh, reinterpret_cast<const hwy::float16_t*>(tmp) + j)), df,
+                out + blk * kScaleStride + j);
     }
   }
 }

@@ -427,6 +427,50 @@ TEST_P(AttentionTest, ExtremeLogitsAndOddShapes) {
 // Rows whose visible cells are a long shared span plus many one-cell spans (a batched decode of
 // several sequences), with non-zero mask values on visible cells: the decode kernel gathers the
 // short spans into cell lists, and each cell must keep its own mask value.
+// Stored inf in V (an f16 element, a q8_0 / q4_0 block scale) gives non-finite outputs in exactly
+// the places the double reference does, on every target, in both modes.
+// Targets without F16C convert f16 in software; Highway 1.0.3's conversion there reads exponent 31
+// as 2^16 instead of inf / NaN.
+TEST_P(AttentionTest, NonFiniteStoredVPropagates) {
+  for (DType dt : {DType::kF16, DType::kQ8_0, DType::kQ4_0}) {
+    SCOPED_TRACE(std::string(DTypeName(dt)) + " target=" + TargetNow());
+    const int D = 64, Hkv = 2, G = 4, B = 2, L = 300, Hq = Hkv * G;
+    std::mt19937 rng(78u);
+    TestHistory h = MakeHistory(dt, D, D, Hkv, L, false, rng);
+    // Cell 123 of head 1: element 37 (f16) or block 1's scale (dims 32..63) becomes +inf.
+    const uint16_t inf_bits = 0x7C00;
+    char* row = static_cast<char*>(RowPtr(h.v, 1, 123));
+    std::memcpy(dt == DType::kF16 ? row + 2 * 37 : row + BlockBytes(dt), &inf_bits, 2);
+    std::vector<float> q(static_cast<size_t>(D) * B * Hq);
+    std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+    for (float& x : q) x = u(rng);
+    std::vector<float> out(static_cast<size_t>(D) * B * Hq), ref(out.size());
+    TensorView qv = MakeView(q.data(), DType::kF32, {D, B, Hq});
+    TensorView ov = MakeView(out.data(), DType::kF32, {D, B, Hq});
+    TensorView rv = MakeView(ref.data(), DType::kF32, {D, B, Hq});
+    kernels::AttentionKernelParams kp;
+    kp.scale = 0.125f;
+    kernels::AttentionRef(qv, h.k, h.v, TensorView{}, kp, &rv);
+    int ref_nonfinite = 0;
+    for (float x : ref) ref_nonfinite += !std::isfinite(x);
+    EXPECT_EQ(ref_nonfinite, B * G * (dt == DType::kF16 ? 1 : 32));
+    for (int run = 0; run < 2; ++run) {
+      SCOPED_TRACE("run " + std::to_string(run));
+      kp.mode = run == 1 ? AttentionMode::kPrefill : AttentionMode::kDecode;
+      kernels::Attention(qv, h.k, h.v, TensorView{}, kp, {}, &ov);
+      for (size_t i = 0; i < out.size(); ++i) {
+        ASSERT_EQ(std::isnan(out[i]), std::isnan(ref[i])) << i << " out=" << out[i];
+        ASSERT_EQ(std::isinf(out[i]), std::isinf(ref[i])) << i << " out=" << out[i];
+        if (std::isfinite(ref[i])) {
+          ASSERT_NEAR(out[i], ref[i], 1e-5) << i;
+        } else if (std::isinf(ref[i])) {
+          ASSERT_EQ(out[i], ref[i]) << i;
+        }
+      }
+    }
+  }
+}
+
 TEST_P(AttentionTest, InterleavedSequencesWithBiases) {
   for (auto [dt, perm] : DTypeLayouts()) {
     for (int G : {1, 4}) {
