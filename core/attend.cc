@@ -90,6 +90,7 @@ Status Attend(const TensorView& q, const History& history, const AttentionParams
   kp.scale = params.scale != 0 ? params.scale : 1.0f / std::sqrt(static_cast<float>(q.ne[0]));
   kp.softcap = params.softcap;
   kp.sinks = params.sinks;
+  kp.integer_v = params.integer_v;
   kp.v_permuted = perm;
   kernels::ParallelForFn pf;
   pf.run = parallel.run;

@@ -4,6 +4,11 @@
 // Byte 0 picks the target, byte 1 the kernel, the rest are shapes, parameters and raw data.
 // Contracts checked: bit-exact for convert, mask and rope (kernels/*.h say so; NaN payloads may
 // differ, NaN-ness may not); attention within the bound of tests/attention_test.cc.
+// The targets include AVX3_DL, which kernels/attention.cc compiles (its integer V pass); the other
+// kernels do not, and run their SCALAR code when it is picked (Highway's fallback).
+#ifndef HWY_WANT_AVX3_DL
+#define HWY_WANT_AVX3_DL
+#endif
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -377,6 +382,7 @@ void FuzzAttention(Reader& r) {
     pf.run = RunAll;
     pf.num_threads = r.Int(2, 6);
   }
+  kp.integer_v = r.OneIn(2);  // AVX3_DL decode over q8_0 / q4_0 plain V: int16 weights
   std::vector<float> out(static_cast<size_t>(Dv * B * Hq), 12345.0f), ref(out.size(), -1.0f);
   TensorView ov = kv::MakeView(out.data(), DType::kF32, {Dv, B, Hq});
   TensorView rv = kv::MakeView(ref.data(), DType::kF32, {Dv, B, Hq});
@@ -396,15 +402,18 @@ void FuzzAttention(Reader& r) {
       }
     }
   }
+  // integer_v adds its rounding bound, 16 * 2^-16 * max|V| (kernels/attention.cc).
   const double tol =
-      2.0 * (2.0 * 4.0 * std::sqrt(static_cast<double>(D)) * std::ldexp(1.0, -24) * smax + 2e-6);
+      2.0 * (2.0 * 4.0 * std::sqrt(static_cast<double>(D)) * std::ldexp(1.0, -24) * smax + 2e-6) +
+      (kp.integer_v ? 16.0 / 65536.0 : 0.0);
   for (size_t i = 0; i < out.size(); ++i) {
     FUZZ_CHECK(std::fabs(out[i] - ref[i]) <= tol || (std::isnan(out[i]) && std::isnan(ref[i])),
                "%s: Attention %s D %lld Dv %lld Hkv %lld G %lld L %lld B %lld perm %d mode %d "
-               "softcap %g sinks %d mask %d threads %d: out[%zu] = %g, ref %g, tol %g",
+               "softcap %g sinks %d mask %d threads %d int_v %d: out[%zu] = %g, ref %g, tol %g",
                g_target, kv::DTypeName(t), (long long)D, (long long)Dv, (long long)Hkv,
                (long long)G, (long long)L, (long long)B, perm, static_cast<int>(kp.mode),
-               kp.softcap, kp.sinks != nullptr, mask_kind, pf.num_threads, i, out[i], ref[i], tol);
+               kp.softcap, kp.sinks != nullptr, mask_kind, pf.num_threads, kp.integer_v, i, out[i],
+               ref[i], tol);
   }
 }
 

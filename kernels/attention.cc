@@ -10,6 +10,12 @@
 // Prefill: task = (KV head, tile of batch rows). K tiles of 4 vectors' worth of cells are converted
 // (and transposed) into f32 once, V tiles likewise, and every query row of the tile (rows x heads
 // of the group) runs register-blocked 4 x 4-vector FMA kernels over them with no horizontal sums.
+//
+// AVX3_DL (AVX-512 with VNNI) is compiled too: the integer V pass uses its vpdpwssd. Highway 1.0.3
+// leaves the target out unless asked; it must be asked before any Highway header.
+#ifndef HWY_WANT_AVX3_DL
+#define HWY_WANT_AVX3_DL
+#endif
 #include "kernels/attention.h"
 
 #include <algorithm>
@@ -217,7 +223,9 @@ constexpr int64_t kPrefetchBytes = 4096;
 constexpr int64_t kMaxQBlocks = kAttentionMaxHeadDim / 32;
 
 // The f16 block scales of n quantized rows, converted with vector f16 -> f32 (exact) instead of
-// one scalar conversion per (row, block, vector): out[blk * kScaleStride + j].
+// one scalar conversion per (row, block, vector): out[blk * kScaleStride + j]. (A 32-bit
+// GatherOffset per vector of rows instead of the 2-byte copies measured the same: ~8% of an
+// in-cache q8_0 decode either way.)
 template <DType T>
 HWY_INLINE void GatherScales(DF df, const char* row0, size_t stride, int64_t n, int64_t nblk,
                              float* out) {
@@ -301,6 +309,150 @@ HWY_INLINE void AccumQuant(DF df, const char* vrow0, size_t vstride, int64_t n, 
     AccumQuantGroup<T, kG, kC1>(df, vrow0, vstride, n, blk, p, p_stride, vscale, acc, acc_stride);
   }
 }
+
+#if HWY_TARGET == HWY_AVX3_DL
+// ---- quantized plain V with integer products (AttentionKernelParams::integer_v) ----------------
+// AVX3_DL only: with VNNI's vpdpwssd (16 x 2 int16 products summed into int32 in one instruction)
+// the pass runs ~1.4x faster per q8_0 decode call at head_dim 128; with AVX-512's vpmaddwd + add
+// it measured no faster than the f32 pass, and on AVX2 slower, so other targets run the f32 pass.
+// acc[g] += sum_j p[g][j] * d_j * code_j with each weight w = p * d rounded to 16 bits against a
+// bound on |w| over its group of 16 cells (one vector of weights), the 32 codes of a block widened
+// to int16 and two cells interleaved, so that one vpdpwssd per head adds both cells' products for
+// 16 dims; one f32 multiply-add per group and head turns the int32 sums back into floats.
+// Error: with M = pmax * dmax >= the group's largest |w|, each weight is off by <= M / 65534; over
+// a group's <= 16 cells (|code| <= c = 127, q4_0 8) divided by the softmax denominator l (>= every
+// group's pmax), the output moves by at most 16 * 2^-16 * c * max d = 2.4e-4 * max|V| (max|V| =
+// c * d for blocks quantized to the full code range). The roundings are independent: measured
+// errors are ~10x below the bound. Int32 sums are exact (16 * 32767 * 127 < 2^31). Blocks with a
+// non-finite scale take the f32 path (NaN/inf propagate as there).
+using DI32 = hn::RebindToSigned<DF>;
+using DI16 = hn::Repartition<int16_t, DF>;
+using VI32 = hn::Vec<DI32>;
+using VI16 = hn::Vec<DI16>;
+static_assert(kN == 16, "one int16 vector holds one block's 32 codes");
+
+// The 32 codes of one quantized block, widened to int16.
+template <DType T>
+HWY_INLINE VI16 LoadBlockCodes16(const char* block) {
+  const DI16 d16;
+  if constexpr (T == DType::kQ8_0) {
+    const hn::Rebind<int8_t, DI16> d8;
+    return hn::PromoteTo(d16, hn::LoadU(d8, Q8Codes(block)));
+  } else {  // q4_0: low nibbles are elements 0-15, high nibbles 16-31
+    const hn::Half<DI16> dh;
+    const hn::Rebind<uint8_t, decltype(dh)> du8;
+    const auto bytes = hn::BitCast(
+        dh, hn::PromoteTo(hn::RebindToUnsigned<decltype(dh)>(), hn::LoadU(du8, Q4Codes(block))));
+    const auto codes = hn::Combine(d16, hn::ShiftRight<4>(bytes), hn::And(bytes, hn::Set(dh, 15)));
+    return hn::Sub(codes, hn::Set(d16, 8));
+  }
+}
+
+// sum + the pairwise products of adjacent int16 lanes of a and b (vpdpwssd). Highway 1.0.3
+// detects AVX512_VNNI for AVX3_DL but compiles the target without it (its target string names the
+// VEX "avxvnni"), so the intrinsic cannot inline here: the instruction is written out.
+HWY_INLINE VI32 PairDot(VI16 a, VI16 b, VI32 sum) {
+  __m512i acc = sum.raw;
+  asm("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(a.raw), "v"(b.raw));
+  return VI32{acc};
+}
+
+// Interleaving two cells' codes works inside 128-bit blocks: block t of `lo` holds dims 8t .. 8t+3
+// and of `hi` 8t+4 .. 8t+7. d0 / d1 get dims 0..15 / 16..31 in order.
+HWY_INLINE void UnzipDims(VF lo, VF hi, VF& d0, VF& d1) {
+  const __m512 a = _mm512_shuffle_f32x4(lo.raw, hi.raw, _MM_SHUFFLE(1, 0, 1, 0));
+  const __m512 b = _mm512_shuffle_f32x4(lo.raw, hi.raw, _MM_SHUFFLE(3, 2, 3, 2));
+  d0 = VF{_mm512_shuffle_f32x4(a, a, _MM_SHUFFLE(3, 1, 2, 0))};
+  d1 = VF{_mm512_shuffle_f32x4(b, b, _MM_SHUFFLE(3, 1, 2, 0))};
+}
+
+template <DType T, int kG>
+HWY_INLINE void AccumQuantInt(DF df, const char* vrow0, size_t vstride, int64_t n, int64_t Dv,
+                              const float* p, int64_t p_stride, const float* vscale, float* acc,
+                              int64_t acc_stride) {
+  const DI32 di;
+  const DI16 d16;
+  const hn::Rebind<int16_t, DF> dq;
+  constexpr int64_t kWq = kBlockCells + kRowPad;
+  constexpr int64_t kGroups = kBlockCells / static_cast<int64_t>(kN);
+  // Each group's weights are rounded against the bound pmax * dmax (largest p of the head in the
+  // group times the largest |d| of the block in the group): kG + blocks reductions per group
+  // instead of kG * blocks. A group whose p are all below 2^-60 is dropped: l >= 1 (it holds the
+  // running maximum's own weight), so it could move the output by < 16 * 2^-60 * max|V|.
+  float pmax[kG][kGroups], pinv[kG][kGroups];
+  for (int g = 0; g < kG; ++g) {
+    for (int64_t j = 0, grp = 0; j < n; j += kN, ++grp) {
+      const float m = hn::GetLane(hn::MaxOfLanes(df, hn::Load(df, p + g * p_stride + j)));
+      pmax[g][grp] = m >= 0x1p-60f ? m : 0.0f;
+      pinv[g][grp] = m >= 0x1p-60f ? 1.0f / m : 0.0f;
+    }
+  }
+  HWY_ALIGN int16_t wq[kG][kWq];
+  float gstep[kG][kGroups];
+  for (int64_t blk = 0; blk < Dv / 32; ++blk) {
+    const float* d = vscale + blk * kScaleStride;
+    float dmax[kGroups], dinv[kGroups];
+    bool finite = true;
+    for (int64_t j = 0, grp = 0; j < n; j += kN, ++grp) {
+      const VF dv = hn::Load(df, d + j);
+      finite &= hn::AllTrue(df, hn::IsFinite(dv));
+      dmax[grp] = hn::GetLane(hn::MaxOfLanes(df, hn::Abs(dv)));
+      // A nonzero f16 scale is >= 2^-24: with pinv <= 2^60 the product below stays finite.
+      dinv[grp] = dmax[grp] > 0.0f ? 32767.0f / dmax[grp] : 0.0f;
+    }
+    if (!finite) {  // inf / NaN scales: the f32 path, which propagates them
+      AccumQuantGroup<T, kG, 2>(df, vrow0, vstride, n, blk, p, p_stride, vscale, acc, acc_stride);
+      continue;
+    }
+    for (int g = 0; g < kG; ++g) {
+      for (int64_t j = 0, grp = 0; j < n; j += kN, ++grp) {
+        const VF w = hn::Mul(hn::Load(df, p + g * p_stride + j), hn::Load(df, d + j));
+        const VF inv = hn::Set(df, pinv[g][grp] * dinv[grp]);
+        hn::Store(hn::DemoteTo(dq, hn::NearestInt(hn::Mul(w, inv))), dq, &wq[g][j]);
+        gstep[g][grp] = pmax[g][grp] * dmax[grp] * (1.0f / 32767.0f);
+      }
+    }
+    const char* vblk = vrow0 + static_cast<size_t>(blk) * BlockBytes(T);
+    constexpr int kP = kG < 4 ? kG : 4;  // heads per pass: 2 x kP int32 and f32 accumulators
+    for (int g0 = 0; g0 < kG; g0 += kP) {
+      VF pa[kP][2];
+      for (int g = 0; g < kP; ++g) pa[g][0] = pa[g][1] = hn::Zero(df);
+      for (int64_t j0 = 0, grp = 0; j0 < n; j0 += kN, ++grp) {
+        VI32 ia[kP][2];
+        for (int g = 0; g < kP; ++g) ia[g][0] = ia[g][1] = hn::Zero(di);
+        const int64_t j1 = std::min<int64_t>(n, j0 + kN);
+        for (int64_t j = j0; j < j1; j += 2) {
+          const char* r0 = vblk + static_cast<size_t>(j) * vstride;
+          const VI16 c0 = LoadBlockCodes16<T>(r0);
+          // An odd last cell pairs with zeros (its partner's weight is 0 too: p is zero-padded).
+          const VI16 c1 = j + 1 < n ? LoadBlockCodes16<T>(r0 + vstride) : hn::Zero(d16);
+          const VI16 lo = hn::InterleaveLower(d16, c0, c1);
+          const VI16 hi = hn::InterleaveUpper(d16, c0, c1);
+          for (int g = 0; g < kP; ++g) {
+            int32_t pair;  // the two cells' weights, as vpdpwssd pairs them
+            std::memcpy(&pair, &wq[g0 + g][j], sizeof(pair));
+            const VI16 wv = hn::BitCast(d16, hn::Set(di, pair));
+            ia[g][0] = PairDot(lo, wv, ia[g][0]);
+            ia[g][1] = PairDot(hi, wv, ia[g][1]);
+          }
+        }
+        for (int g = 0; g < kP; ++g) {
+          const VF step = hn::Set(df, gstep[g0 + g][grp]);
+          pa[g][0] = hn::MulAdd(hn::ConvertTo(df, ia[g][0]), step, pa[g][0]);
+          pa[g][1] = hn::MulAdd(hn::ConvertTo(df, ia[g][1]), step, pa[g][1]);
+        }
+      }
+      for (int g = 0; g < kP; ++g) {
+        VF d0, d1;
+        UnzipDims(pa[g][0], pa[g][1], d0, d1);
+        float* a = acc + (g0 + g) * acc_stride + blk * 32;
+        hn::Store(hn::Add(hn::Load(df, a), d0), df, a);
+        hn::Store(hn::Add(hn::Load(df, a + kN), d1), df, a + kN);
+      }
+    }
+  }
+}
+#endif  // AVX3_DL
 
 #if HWY_TARGET != HWY_SCALAR
 // Horizontal sums of four vectors at once, [sum a0, sum a1, sum a2, sum a3]: two interleave-add
@@ -691,6 +843,13 @@ HWY_NOINLINE void DecodeCells(const Ctx& c, int64_t h, int64_t b, int64_t g0, in
   } else if constexpr (IsQuantized(T)) {
     // The V rows were prefetched during the K pass: the scales gather from cache.
     GatherScales<T>(df, vrow0, c.v.nb[2], n, c.Dv / 32, &vd[0][0]);
+#if HWY_TARGET == HWY_AVX3_DL
+    if (c.p.integer_v) {
+      AccumQuantInt<T, kG>(df, vrow0, c.v.nb[2], n, c.Dv, &s[0][0], kBlockCells + kRowPad,
+                           &vd[0][0], state, rs);
+      return;
+    }
+#endif
     AccumQuant<T, kG>(df, vrow0, c.v.nb[2], n, c.Dv, &s[0][0], kBlockCells + kRowPad, &vd[0][0],
                       state, rs);
   } else {

@@ -44,14 +44,15 @@
 // 1e-6 * max|V| for moderate L; the dtype only matters through the stored values, which the
 // reference sees too.
 //
-// Measured (perf/bench_attention, 2-vCPU AVX-512 VM shared with other jobs, best call of each run
-// against a read-sum baseline interleaved in the same run): decode f16 at 32768 cells reaches
-// 0.93 (D 64) and 1.03 (D 128) of the 1-thread read bandwidth; q8_0 is 1.23x / 1.37x faster per
-// call than f16 there (interleaved, best of two runs; 2 threads: 1.10x / 1.30x). q8_0 is
-// compute-bound: ~33 ns per cell for 4 heads at D 128 (~28 with the history in cache), and per 16
-// codes it spends a widen, a convert and a scale multiply on top of the FMAs of every head; prefill
-// runs at ~0.4 of the measured FMA peak. The dispatched AVX-512 decode is ~1.3x the same code
-// pinned to AVX2.
+// Measured (perf/bench_attention, 2-vCPU AVX-512 VMs shared with other jobs; calls of the
+// compared variants alternating in one run): on the AMD EPYC of sessions 4-6, decode f16 at 32768
+// cells reaches 0.65-0.80 of the 1-thread read bandwidth (0.68-0.77 on 2 threads); q8_0
+// is 1.0-1.25x faster per call than f16 there, 1.1-1.45x with integer_v (head_dim 64 / 128). q8_0
+// is compute- bound: per 16 codes it spends a widen, a convert and a scale multiply on top of the
+// FMAs of every head, and with the history in cache it is ~1.15x slower per cell than f16
+// (integer_v: ~1.05x). On the Intel Xeon of sessions 1-3 (half the bandwidth per core) f16 ran at
+// ~1.0 of the read bandwidth and q8_0 1.27-1.45x faster than f16. Prefill runs at ~0.4-0.66 of the
+// measured FMA peak. The dispatched AVX-512 decode is ~1.1-1.3x the same code pinned to AVX2.
 //
 // Masked cells are never read in decode; prefill reads whole tiles, so K/V of hidden cells must be
 // finite there (the caches zero-fill their storage).
@@ -79,6 +80,10 @@ struct AttentionKernelParams {
   const float* sinks = nullptr;  // [Hq] or null
   bool v_permuted = false;
   AttentionMode mode = AttentionMode::kAuto;  // kAuto: decode when B < 8
+  // Decode over q8_0 / q4_0 plain V: the V pass in int16 arithmetic (softmax weights rounded to
+  // 16 bits per group of 16 cells; output error <= 2.4e-4 * max|V|, derivation in attention.cc)
+  // where the CPU has AVX512_VNNI (Highway's AVX3_DL target); elsewhere the f32 pass runs.
+  bool integer_v = false;
 };
 
 // A parallel-for: run must call task(ctx, i) exactly once for every i in [0, n), from any threads,

@@ -246,7 +246,8 @@ void BM_Decode(benchmark::State& state) {
 }
 
 // q8_0 against f16 with the calls alternating, so that both see the same machine: the ratio of
-// the best calls is the per-call speedup. Args: D, L, threads.
+// the best calls is the per-call speedup. q8int: q8_0 with AttentionParams::integer_v (the V pass
+// in int16 arithmetic). Args: D, L, threads.
 void BM_DecodeQ8VsF16Interleaved(benchmark::State& state) {
   const int D = static_cast<int>(state.range(0));
   const int L = static_cast<int>(state.range(1));
@@ -257,7 +258,10 @@ void BM_DecodeQ8VsF16Interleaved(benchmark::State& state) {
   kv::AttentionParams p;
   (void)kv::Attend(f16.qv, f16.hist, p, &f16.ov, &pool);
   (void)kv::Attend(q8.qv, q8.hist, p, &q8.ov, &pool);
-  double best_f16 = 1e30, best_q8 = 1e30;
+  kv::AttentionParams pint;
+  pint.integer_v = true;
+  (void)kv::Attend(q8.qv, q8.hist, pint, &q8.ov, &pool);
+  double best_f16 = 1e30, best_q8 = 1e30, best_q8int = 1e30;
   for (auto _ : state) {
     auto t0 = Clock::now();
     (void)kv::Attend(f16.qv, f16.hist, p, &f16.ov, &pool);
@@ -265,10 +269,15 @@ void BM_DecodeQ8VsF16Interleaved(benchmark::State& state) {
     t0 = Clock::now();
     (void)kv::Attend(q8.qv, q8.hist, p, &q8.ov, &pool);
     best_q8 = std::min(best_q8, Seconds(t0, Clock::now()));
+    t0 = Clock::now();
+    (void)kv::Attend(q8.qv, q8.hist, pint, &q8.ov, &pool);
+    best_q8int = std::min(best_q8int, Seconds(t0, Clock::now()));
   }
   state.counters["f16_us"] = best_f16 * 1e6;
   state.counters["q8_us"] = best_q8 * 1e6;
   state.counters["q8_vs_f16"] = best_f16 / best_q8;
+  state.counters["q8int_us"] = best_q8int * 1e6;
+  state.counters["q8int_vs_f16"] = best_f16 / best_q8int;
 }
 
 // Args: threads.

@@ -12,6 +12,10 @@
 // with dlogit = 4 * sqrt(D) * 2^-24 * S_max (S_max measured per case: it grows with the extreme-
 // logit cases' q). The quantized dtypes get the same bound because their stored values are what
 // both sides read; only S_max differs. Measured: worst error / tol below 0.1 on every target.
+// Every target kernels/attention.cc compiles, AVX3_DL included.
+#ifndef HWY_WANT_AVX3_DL
+#define HWY_WANT_AVX3_DL
+#endif
 #include "kernels/attention.h"
 
 #include <atomic>
@@ -213,10 +217,24 @@ std::string TargetNow() {
 struct Run {
   AttentionMode mode;
   ThreadPool* pool;
+  bool integer_v = false;
 };
 
+// Integer V pass (AttentionKernelParams::integer_v, AVX3_DL only; other targets run the f32 pass):
+// each weight is rounded to 16 bits against a bound on its group of 16 cells, which moves the
+// output by at most 16 * 2^-16 * max|V| (kernels/attention.cc); CheckCase adds this to the f32
+// bound for those runs.
+constexpr double kIntegerVTol = 16.0 / 65536.0;
+
 // One case, one reference, several kernel runs (modes x thread counts).
-void CheckCase(const Case& c, std::initializer_list<Run> runs) {
+void CheckCase(const Case& c, std::initializer_list<Run> given) {
+  // Every decode run over quantized plain V is repeated with the integer V pass.
+  std::vector<Run> runs(given);
+  for (const Run& r : given) {
+    const bool decode =
+        r.mode == AttentionMode::kDecode || (r.mode == AttentionMode::kAuto && c.B < 8);
+    if (decode && IsQuantized(c.dt) && !c.perm) runs.push_back({r.mode, r.pool, true});
+  }
   SCOPED_TRACE(Describe(c) + " target=" + TargetNow());
   std::mt19937 rng(1234u + static_cast<uint32_t>(c.D * 7 + c.L * 13 + c.B * 31 + c.G));
   TestHistory h = MakeHistory(c.dt, c.D, c.Dv, c.Hkv, c.L, c.perm, rng);
@@ -259,7 +277,9 @@ void CheckCase(const Case& c, std::initializer_list<Run> runs) {
   const double tol = 1.0 * (2.0 * dlogit + 2e-6);  // max|V| <= 1
   for (const Run& run : runs) {
     SCOPED_TRACE("mode=" + std::to_string(static_cast<int>(run.mode)) +
-                 " threads=" + std::to_string(run.pool ? run.pool->NumThreads() : 1));
+                 " threads=" + std::to_string(run.pool ? run.pool->NumThreads() : 1) +
+                 " integer_v=" + std::to_string(run.integer_v));
+    const double run_tol = tol + (run.integer_v ? kIntegerVTol : 0.0);
     kernels::ParallelForFn pf;
     if (run.pool != nullptr) {
       const ParallelFor p = run.pool->AsParallelFor();
@@ -268,21 +288,22 @@ void CheckCase(const Case& c, std::initializer_list<Run> runs) {
       pf.num_threads = p.num_threads;
     }
     kp.mode = run.mode;
+    kp.integer_v = run.integer_v;
     std::fill(out.begin(), out.end(), 12345.0f);
     kernels::Attention(qv, h.k, h.v, mv, kp, pf, &ov);
     double maxerr = 0;
     for (size_t i = 0; i < out.size(); ++i)
       maxerr = std::max(maxerr, static_cast<double>(std::fabs(out[i] - ref[i])));
     if (std::getenv("ATTN_TEST_VERBOSE"))
-      std::printf("%s err=%.3g tol=%.3g ratio=%.3f\n", Describe(c).c_str(), maxerr, tol,
-                  maxerr / tol);
+      std::printf("%s int_v=%d err=%.3g tol=%.3g ratio=%.3f\n", Describe(c).c_str(), run.integer_v,
+                  maxerr, run_tol, maxerr / run_tol);
     int bad = 0;
     for (size_t i = 0; i < out.size() && bad < 5; ++i) {
-      if (!(std::fabs(out[i] - ref[i]) <= tol)) {
+      if (!(std::fabs(out[i] - ref[i]) <= run_tol)) {
         ++bad;
         ADD_FAILURE() << "i=" << i << " (d=" << i % c.Dv << " b=" << (i / c.Dv) % c.B
                       << " hq=" << i / (static_cast<size_t>(c.Dv) * c.B) << ") out=" << out[i]
-                      << " ref=" << ref[i] << " tol=" << tol;
+                      << " ref=" << ref[i] << " tol=" << run_tol;
       }
     }
   }
@@ -427,42 +448,100 @@ TEST_P(AttentionTest, ExtremeLogitsAndOddShapes) {
 // Rows whose visible cells are a long shared span plus many one-cell spans (a batched decode of
 // several sequences), with non-zero mask values on visible cells: the decode kernel gathers the
 // short spans into cell lists, and each cell must keep its own mask value.
+// The edge-case tests' small decode: D 64, 2 KV heads x 4 query heads, 2 rows, 300 cells; q uniform
+// in [-qscale, qscale].
+struct SmallDecode {
+  static constexpr int D = 64, Hkv = 2, G = 4, B = 2, L = 300, Hq = Hkv * G;
+  std::vector<float> q;
+  TensorView qv;
+  SmallDecode(std::mt19937& rng, float qscale) : q(static_cast<size_t>(D) * B * Hq) {
+    std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+    for (float& x : q) x = u(rng) * qscale;
+    qv = MakeView(q.data(), DType::kF32, {D, B, Hq});
+  }
+  static TensorView Out(std::vector<float>* o) {
+    o->assign(static_cast<size_t>(D) * B * Hq, 0.0f);
+    return MakeView(o->data(), DType::kF32, {D, B, Hq});
+  }
+};
+
+// The integer V pass where its rounding is most exposed: V far below 1 (q8_0 block scales of ~8e-6,
+// f16 subnormals) keeps the bound relative to max|V|, against the f32 pass.
+TEST_P(AttentionTest, IntegerVTinyValues) {
+  for (DType dt : {DType::kQ8_0, DType::kQ4_0}) {
+    SCOPED_TRACE(std::string(DTypeName(dt)) + " target=" + TargetNow());
+    constexpr int D = SmallDecode::D, Hkv = SmallDecode::Hkv, L = SmallDecode::L;
+    std::mt19937 rng(77u);
+    TestHistory h = MakeHistory(dt, D, D, Hkv, L, false, rng);
+    const float vmax = 0x1p-10f;
+    for (int hh = 0; hh < Hkv; ++hh) {
+      for (int j = 0; j < L; ++j) {
+        std::vector<float> row(&h.vf[(static_cast<size_t>(hh) * L + j) * D],
+                               &h.vf[(static_cast<size_t>(hh) * L + j + 1) * D]);
+        for (float& x : row) x *= vmax;
+        StoreRowFromF32(row.data(), D, dt, RowPtr(h.v, hh, j));
+      }
+    }
+    const SmallDecode sd(rng, 4.0f);  // peaked and flat rows both
+    std::vector<float> out_f, out_i;
+    TensorView of = SmallDecode::Out(&out_f), oi = SmallDecode::Out(&out_i);
+    kernels::AttentionKernelParams kp;
+    kp.scale = 0.125f;
+    kp.mode = AttentionMode::kDecode;
+    kernels::Attention(sd.qv, h.k, h.v, TensorView{}, kp, {}, &of);
+    kp.integer_v = true;
+    kernels::Attention(sd.qv, h.k, h.v, TensorView{}, kp, {}, &oi);
+    double maxerr = 0;
+    for (size_t i = 0; i < out_f.size(); ++i) {
+      ASSERT_TRUE(std::isfinite(out_i[i])) << i;
+      maxerr = std::max(maxerr, std::fabs(static_cast<double>(out_f[i]) - out_i[i]));
+    }
+    EXPECT_LE(maxerr, (kIntegerVTol + 1e-5) * vmax);
+    // The integer pass ran where it exists (it does not match the f32 pass exactly).
+    const int64_t best = hwy::SupportedTargets() & -hwy::SupportedTargets();
+    if (best == HWY_AVX3_DL) {
+      EXPECT_GT(maxerr, 0.0);
+    } else {
+      EXPECT_EQ(maxerr, 0.0);
+    }
+  }
+}
+
 // Stored inf in V (an f16 element, a q8_0 / q4_0 block scale) gives non-finite outputs in exactly
-// the places the double reference does, on every target, in both modes.
+// the places the double reference does, on every target, in both modes and in the integer V pass.
 // Targets without F16C convert f16 in software; Highway 1.0.3's conversion there reads exponent 31
 // as 2^16 instead of inf / NaN.
 TEST_P(AttentionTest, NonFiniteStoredVPropagates) {
   for (DType dt : {DType::kF16, DType::kQ8_0, DType::kQ4_0}) {
     SCOPED_TRACE(std::string(DTypeName(dt)) + " target=" + TargetNow());
-    const int D = 64, Hkv = 2, G = 4, B = 2, L = 300, Hq = Hkv * G;
+    constexpr int D = SmallDecode::D, Hkv = SmallDecode::Hkv, L = SmallDecode::L;
+    constexpr int B = SmallDecode::B, G = SmallDecode::G;
     std::mt19937 rng(78u);
     TestHistory h = MakeHistory(dt, D, D, Hkv, L, false, rng);
     // Cell 123 of head 1: element 37 (f16) or block 1's scale (dims 32..63) becomes +inf.
     const uint16_t inf_bits = 0x7C00;
     char* row = static_cast<char*>(RowPtr(h.v, 1, 123));
     std::memcpy(dt == DType::kF16 ? row + 2 * 37 : row + BlockBytes(dt), &inf_bits, 2);
-    std::vector<float> q(static_cast<size_t>(D) * B * Hq);
-    std::uniform_real_distribution<float> u(-1.0f, 1.0f);
-    for (float& x : q) x = u(rng);
-    std::vector<float> out(static_cast<size_t>(D) * B * Hq), ref(out.size());
-    TensorView qv = MakeView(q.data(), DType::kF32, {D, B, Hq});
-    TensorView ov = MakeView(out.data(), DType::kF32, {D, B, Hq});
-    TensorView rv = MakeView(ref.data(), DType::kF32, {D, B, Hq});
+    const SmallDecode sd(rng, 1.0f);
+    std::vector<float> out, ref;
+    TensorView ov = SmallDecode::Out(&out), rv = SmallDecode::Out(&ref);
     kernels::AttentionKernelParams kp;
     kp.scale = 0.125f;
-    kernels::AttentionRef(qv, h.k, h.v, TensorView{}, kp, &rv);
+    kernels::AttentionRef(sd.qv, h.k, h.v, TensorView{}, kp, &rv);
     int ref_nonfinite = 0;
     for (float x : ref) ref_nonfinite += !std::isfinite(x);
     EXPECT_EQ(ref_nonfinite, B * G * (dt == DType::kF16 ? 1 : 32));
-    for (int run = 0; run < 2; ++run) {
+    for (int run = 0; run < 3; ++run) {
+      if (run == 2 && dt == DType::kF16) continue;
       SCOPED_TRACE("run " + std::to_string(run));
       kp.mode = run == 1 ? AttentionMode::kPrefill : AttentionMode::kDecode;
-      kernels::Attention(qv, h.k, h.v, TensorView{}, kp, {}, &ov);
+      kp.integer_v = run == 2;
+      kernels::Attention(sd.qv, h.k, h.v, TensorView{}, kp, {}, &ov);
       for (size_t i = 0; i < out.size(); ++i) {
         ASSERT_EQ(std::isnan(out[i]), std::isnan(ref[i])) << i << " out=" << out[i];
         ASSERT_EQ(std::isinf(out[i]), std::isinf(ref[i])) << i << " out=" << out[i];
         if (std::isfinite(ref[i])) {
-          ASSERT_NEAR(out[i], ref[i], 1e-5) << i;
+          ASSERT_NEAR(out[i], ref[i], kIntegerVTol + 1e-5) << i;
         } else if (std::isinf(ref[i])) {
           ASSERT_EQ(out[i], ref[i]) << i;
         }
