@@ -8,6 +8,8 @@
 #include <cstdio>
 #include <cstring>
 #include <functional>
+#include <iterator>
+#include <limits>
 #include <random>
 #include <string>
 #include <vector>
@@ -297,6 +299,61 @@ TEST(RopeTest, HandComputed) {
         EXPECT_NEAR(row[e], want[e], 1e-6) << (neox ? "neox " : "normal ") << e;
     }
   });
+}
+
+// Special stored values rotate as the reference rotates them, on every target: inf stays inf
+// (or becomes NaN where the pair product is inf - inf), NaN stays NaN, subnormals and the largest
+// finite values keep their exact magnitude. Targets without F16C read f16 in software; a software
+// expansion that treats exponent 31 as a finite exponent would turn a stored inf into 2^16.
+// NaN payloads may differ (F16C), so values are compared as floats with NaN equal to NaN.
+TEST(RopeTest, SpecialValuesMatchReference) {
+  const float inf = std::numeric_limits<float>::infinity();
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  const float specials[] = {inf,       -inf,    nan,      0.0f,    -0.0f,    65504.0f,
+                            -65504.0f, 6.0e-8f, -6.0e-8f, 3.0e-5f, 1.0e-40f, 3.0e38f,
+                            -3.0e38f,  1.0f,    -2.5f,    inf,     0.5f,     nan};
+  constexpr int64_t kHeadDim = 64, kHeads = 2, kCells = 4;
+  for (DType t : {DType::kF32, DType::kF16, DType::kBF16}) {
+    for (bool neox : {false, true}) {
+      Keys orig(t, kHeadDim, kHeads, kCells, 3);
+      int next = 0;
+      std::vector<float> row(kHeadDim);
+      for (int64_t i = 0; i < kCells; ++i) {
+        for (int64_t h = 0; h < kHeads; ++h) {
+          row = orig.Row(h, i);
+          for (int64_t e = 0; e < kHeadDim; e += 3) row[e] = specials[next++ % std::size(specials)];
+          StoreRowFromF32(row.data(), kHeadDim, t, RowPtr(orig.View(), h, i));
+        }
+      }
+      RopeParams p;
+      p.neox = neox;
+      const int32_t deltas[] = {1, -7, 0, 300};
+      Keys ref = orig;
+      RopeShiftRef(ref.View(), deltas, p);
+      int non_finite = 0;
+      for (int64_t i = 0; i < kCells; ++i)
+        for (int64_t h = 0; h < kHeads; ++h)
+          for (float x : ref.Row(h, i)) non_finite += !std::isfinite(x);
+      ASSERT_GT(non_finite, 8) << "the reference result must hold inf and NaN for this to test";
+      ForEachTarget([&](const char* target) {
+        SCOPED_TRACE(std::string(target) + " " + DTypeName(t) + (neox ? " neox" : " normal"));
+        Keys got = orig;
+        RopeShift(got.View(), deltas, p);
+        for (int64_t i = 0; i < kCells; ++i) {
+          for (int64_t h = 0; h < kHeads; ++h) {
+            const std::vector<float> want = ref.Row(h, i), have = got.Row(h, i);
+            for (int64_t e = 0; e < kHeadDim; ++e) {
+              if (std::isnan(want[e])) {
+                ASSERT_TRUE(std::isnan(have[e])) << "cell " << i << " head " << h << " elem " << e;
+              } else {
+                ASSERT_EQ(want[e], have[e]) << "cell " << i << " head " << h << " elem " << e;
+              }
+            }
+          }
+        }
+      });
+    }
+  }
 }
 
 // A large delta keeps its accuracy (angles reduced in double): 2^30 positions on pair 0 (theta 1).
