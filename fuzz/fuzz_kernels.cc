@@ -4,8 +4,9 @@
 // Byte 0 picks the target, byte 1 the kernel, the rest are shapes, parameters and raw data.
 // Contracts checked: bit-exact for convert, mask and rope (kernels/*.h say so; NaN payloads may
 // differ, NaN-ness may not); attention within the bound of tests/attention_test.cc.
-// The targets include AVX3_DL, which kernels/attention.cc compiles (its integer V pass); the other
-// kernels do not, and run their SCALAR code when it is picked (Highway's fallback).
+// The targets include AVX3_DL, which both attention kernel units (kernels/attention*.cc) compile
+// (its integer V pass); the other kernels do not, and run their SCALAR code when it is picked
+// (Highway's fallback).
 #ifndef HWY_WANT_AVX3_DL
 #define HWY_WANT_AVX3_DL
 #endif
@@ -402,7 +403,7 @@ void FuzzAttention(Reader& r) {
       }
     }
   }
-  // integer_v adds its rounding bound, 16 * 2^-16 * max|V| (kernels/attention.cc).
+  // integer_v adds its rounding bound, 16 * 2^-16 * max|V| (kernels/attention_decode.cc).
   const double tol =
       2.0 * (2.0 * 4.0 * std::sqrt(static_cast<double>(D)) * std::ldexp(1.0, -24) * smax + 2e-6) +
       (kp.integer_v ? 16.0 / 65536.0 : 0.0);

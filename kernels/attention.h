@@ -81,8 +81,9 @@ struct AttentionKernelParams {
   bool v_permuted = false;
   AttentionMode mode = AttentionMode::kAuto;  // kAuto: decode when B < 8
   // Decode over q8_0 / q4_0 plain V: the V pass in int16 arithmetic (softmax weights rounded to
-  // 16 bits per group of 16 cells; output error <= 2.4e-4 * max|V|, derivation in attention.cc)
-  // where the CPU has AVX512_VNNI (Highway's AVX3_DL target); elsewhere the f32 pass runs.
+  // 16 bits per group of 16 cells; output error <= 2.4e-4 * max|V|, derivation in
+  // attention_decode.cc) where the CPU has AVX512_VNNI (Highway's AVX3_DL target); elsewhere the
+  // f32 pass runs.
   bool integer_v = false;
 };
 

@@ -12,7 +12,7 @@
 // with dlogit = 4 * sqrt(D) * 2^-24 * S_max (S_max measured per case: it grows with the extreme-
 // logit cases' q). The quantized dtypes get the same bound because their stored values are what
 // both sides read; only S_max differs. Measured: worst error / tol below 0.1 on every target.
-// Every target kernels/attention.cc compiles, AVX3_DL included.
+// Every target kernels/attention*.cc compile, AVX3_DL included.
 #ifndef HWY_WANT_AVX3_DL
 #define HWY_WANT_AVX3_DL
 #endif
@@ -222,8 +222,8 @@ struct Run {
 
 // Integer V pass (AttentionKernelParams::integer_v, AVX3_DL only; other targets run the f32 pass):
 // each weight is rounded to 16 bits against a bound on its group of 16 cells, which moves the
-// output by at most 16 * 2^-16 * max|V| (kernels/attention.cc); CheckCase adds this to the f32
-// bound for those runs.
+// output by at most 16 * 2^-16 * max|V| (kernels/attention_decode.cc); CheckCase adds this to the
+// f32 bound for those runs.
 constexpr double kIntegerVTol = 16.0 / 65536.0;
 
 // One case, one reference, several kernel runs (modes x thread counts).

@@ -1,0 +1,902 @@
+// Highway translation unit of decode attention (kernels/attention.h has the contract, the shapes
+// and the memory-traffic derivation; kernels/attention.cc sets up the call and finds the spans).
+//
+// Task = (KV head, chunk of cells). Inside a task the chunk is walked in blocks of 128 cells; for
+// each batch row, the row's visible spans (found once per row before the tasks start) are
+// intersected with the block, and for each visible piece the K rows are converted in registers
+// once and dotted with up to 8 query heads of the group at a time; then one online-softmax update
+// per head and one pass over the V rows with the heads' accumulators. Each task leaves (m, l, acc)
+// partials; a merge combines the chunks, adds the sink and divides.
+//
+// AVX3_DL (AVX-512 with VNNI) is compiled too: the integer V pass uses its vpdpwssd. Highway 1.0.3
+// leaves the target out unless asked; it must be asked before any Highway header.
+#ifndef HWY_WANT_AVX3_DL
+#define HWY_WANT_AVX3_DL
+#endif
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+#include "kernels/attention_internal.h"
+
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "kernels/attention_decode.cc"
+// clang-format off
+#include "hwy/foreach_target.h"  // IWYU pragma: keep
+#include "hwy/highway.h"
+#include "hwy/cache_control.h"
+#include "hwy/contrib/math/math-inl.h"
+#include "kernels/attention_load-inl.h"
+// clang-format on
+
+HWY_BEFORE_NAMESPACE();
+namespace kv::kernels {
+namespace HWY_NAMESPACE {
+using attn::Ctx;
+using attn::kBlockCells;
+using attn::kMaxPass;
+using attn::kRowPad;
+
+// ---- decode
+// --------------------------------------------------------------------------------------
+
+constexpr int64_t kScaleStride = kBlockCells + kRowPad;
+// K rows are prefetched about this many bytes ahead, 8 to 48 rows: f16 K at head_dim 64 (128-byte
+// rows) ran 9-13% faster with 32 rows ahead than with 8 (1 and 2 threads, 32768 cells, calls
+// alternating in one process); at head_dim 128 8 and 16 rows were within noise, and q8_0 rows
+// (68 / 136 bytes) gained up to 5% from 16 -> 32. Earlier: 8 q8_0 rows left the K loop stalled.
+constexpr int64_t kPrefetchBytes = 4096;
+constexpr int64_t kMaxQBlocks = kAttentionMaxHeadDim / 32;
+
+// The f16 block scales of n quantized rows, converted with vector f16 -> f32 (exact) instead of
+// one scalar conversion per (row, block, vector): out[blk * kScaleStride + j]. (A 32-bit
+// GatherOffset per vector of rows instead of the 2-byte copies measured the same: ~8% of an
+// in-cache q8_0 decode either way.)
+template <DType T>
+HWY_INLINE void GatherScales(DF df, const char* row0, size_t stride, int64_t n, int64_t nblk,
+                             float* out) {
+  HWY_ALIGN uint16_t tmp[kScaleStride];
+  const hn::Rebind<hwy::float16_t, DF> dh;
+  for (int64_t blk = 0; blk < nblk; ++blk) {
+    const char* p = row0 + static_cast<size_t>(blk) * BlockBytes(T);
+    for (int64_t j = 0; j < n; ++j) std::memcpy(&tmp[j], p + static_cast<size_t>(j) * stride, 2);
+    for (int64_t j = n; j < attn::Pad(n); ++j) tmp[j] = 0;
+    for (int64_t j = 0; j < n; j += kN) {
+      hn::Store(PromoteF16(df, hn::LoadU(dh, reinterpret_cast<const hwy::float16_t*>(tmp) + j)), df,
+                out + blk * kScaleStride + j);
+    }
+  }
+}
+
+// Chunks of dims accumulated per pass over the cells: kVChunks * kG independent FMA chains (the
+// chain runs along the cells) and each broadcast weight reused kVChunks times. AVX-512 has 32
+// registers for 4 x 4 accumulators; narrower targets take 2.
+#if HWY_TARGET <= HWY_AVX3
+constexpr int64_t kVChunks = 4;
+#else
+constexpr int64_t kVChunks = 2;
+#endif
+
+// Integer arithmetic was measured and not kept, for precision: int16 V weights with vpdpwssd
+// (AVX512_VNNI) cut this pass by more than half (q8_0 D 128, 1 thread: 1.49x f16 per call), but the
+// 15-bit weights moved end_to_end_test's q8_0 logits against its stored-value reference by up to
+// 9.6e-3 (tolerance 1e-2; f32 arithmetic gives 3e-6); an int8 query for the K side (llama.cpp's
+// q8_0 x q8_0 dot) moved them by 1.3e-2 to 3.8e-2.
+// Quantized plain V, dims [blk0 * 32, blk0 * 32 + kSpan): the weights p[g][j] * d_blk[j] are
+// formed once per block (vectors over j), then each row's codes are converted once and FMAed into
+// every head's accumulators, kC chunks per pass.
+template <DType T, int kG, int64_t kC>
+HWY_INLINE void AccumQuantGroup(DF df, const char* vrow0, size_t vstride, int64_t n, int64_t blk0,
+                                const float* p, int64_t p_stride, const float* vscale, float* acc,
+                                int64_t acc_stride) {
+  constexpr int64_t kPass = kC * static_cast<int64_t>(kN);
+  constexpr int64_t kBlocks = kPass >= 32 ? kPass / 32 : 1;
+  constexpr int64_t kSpan = kBlocks * 32;
+  HWY_ALIGN float w[kBlocks][kG][kScaleStride];
+  for (int64_t lb = 0; lb < kBlocks; ++lb) {
+    for (int g = 0; g < kG; ++g) {
+      for (int64_t j = 0; j < n; j += kN) {
+        hn::Store(hn::Mul(hn::Load(df, p + g * p_stride + j),
+                          hn::Load(df, vscale + (blk0 + lb) * kScaleStride + j)),
+                  df, &w[lb][g][j]);
+      }
+    }
+  }
+  for (int64_t i = blk0 * 32; i < blk0 * 32 + kSpan; i += kPass) {
+    VF a[kC][kG];
+    for (int64_t c = 0; c < kC; ++c)
+      for (int g = 0; g < kG; ++g) a[c][g] = hn::Load(df, acc + g * acc_stride + i + c * kN);
+    for (int64_t j = 0; j < n; ++j) {
+      const char* vr = vrow0 + static_cast<size_t>(j) * vstride;
+      for (int64_t c = 0; c < kC; ++c) {
+        const int64_t lb = (i + c * static_cast<int64_t>(kN)) / 32 - blk0;
+        const VF vv = LoadCodes<T>(df, vr, i + c * kN);
+        for (int g = 0; g < kG; ++g) a[c][g] = hn::MulAdd(hn::Set(df, w[lb][g][j]), vv, a[c][g]);
+      }
+    }
+    for (int64_t c = 0; c < kC; ++c)
+      for (int g = 0; g < kG; ++g) hn::Store(a[c][g], df, acc + g * acc_stride + i + c * kN);
+  }
+}
+
+template <DType T, int kG>
+HWY_INLINE void AccumQuant(DF df, const char* vrow0, size_t vstride, int64_t n, int64_t Dv,
+                           const float* p, int64_t p_stride, const float* vscale, float* acc,
+                           int64_t acc_stride) {
+  constexpr int64_t kC = kG <= 4 ? kVChunks : 1;
+  constexpr int64_t kPass = kC * static_cast<int64_t>(kN);
+  constexpr int64_t kBlocks = kPass >= 32 ? kPass / 32 : 1;
+  int64_t blk = 0;
+  for (; blk + kBlocks <= Dv / 32; blk += kBlocks) {
+    AccumQuantGroup<T, kG, kC>(df, vrow0, vstride, n, blk, p, p_stride, vscale, acc, acc_stride);
+  }
+  for (; blk < Dv / 32; ++blk) {  // a block left over (Dv / 32 odd with two-block passes)
+    constexpr int64_t kC1 = 32 / static_cast<int64_t>(kN) < kC ? 32 / static_cast<int64_t>(kN) : kC;
+    AccumQuantGroup<T, kG, kC1>(df, vrow0, vstride, n, blk, p, p_stride, vscale, acc, acc_stride);
+  }
+}
+
+#if HWY_TARGET == HWY_AVX3_DL
+// ---- quantized plain V with integer products (AttentionKernelParams::integer_v) ----------------
+// AVX3_DL only: with VNNI's vpdpwssd (16 x 2 int16 products summed into int32 in one instruction)
+// the pass runs ~1.4x faster per q8_0 decode call at head_dim 128; with AVX-512's vpmaddwd + add
+// it measured no faster than the f32 pass, and on AVX2 slower, so other targets run the f32 pass.
+// acc[g] += sum_j p[g][j] * d_j * code_j with each weight w = p * d rounded to 16 bits against a
+// bound on |w| over its group of 16 cells (one vector of weights), the 32 codes of a block widened
+// to int16 and two cells interleaved, so that one vpdpwssd per head adds both cells' products for
+// 16 dims; one f32 multiply-add per group and head turns the int32 sums back into floats.
+// Error: with M = pmax * dmax >= the group's largest |w|, each weight is off by <= M / 65534; over
+// a group's <= 16 cells (|code| <= c = 127, q4_0 8) divided by the softmax denominator l (>= every
+// group's pmax), the output moves by at most 16 * 2^-16 * c * max d = 2.4e-4 * max|V| (max|V| =
+// c * d for blocks quantized to the full code range). The roundings are independent: measured
+// errors are ~10x below the bound. Int32 sums are exact (16 * 32767 * 127 < 2^31). Blocks with a
+// non-finite scale take the f32 path (NaN/inf propagate as there).
+using DI32 = hn::RebindToSigned<DF>;
+using DI16 = hn::Repartition<int16_t, DF>;
+using VI32 = hn::Vec<DI32>;
+using VI16 = hn::Vec<DI16>;
+static_assert(kN == 16, "one int16 vector holds one block's 32 codes");
+
+// The 32 codes of one quantized block, widened to int16.
+template <DType T>
+HWY_INLINE VI16 LoadBlockCodes16(const char* block) {
+  const DI16 d16;
+  if constexpr (T == DType::kQ8_0) {
+    const hn::Rebind<int8_t, DI16> d8;
+    return hn::PromoteTo(d16, hn::LoadU(d8, Q8Codes(block)));
+  } else {  // q4_0: low nibbles are elements 0-15, high nibbles 16-31
+    const hn::Half<DI16> dh;
+    const hn::Rebind<uint8_t, decltype(dh)> du8;
+    const auto bytes = hn::BitCast(
+        dh, hn::PromoteTo(hn::RebindToUnsigned<decltype(dh)>(), hn::LoadU(du8, Q4Codes(block))));
+    const auto codes = hn::Combine(d16, hn::ShiftRight<4>(bytes), hn::And(bytes, hn::Set(dh, 15)));
+    return hn::Sub(codes, hn::Set(d16, 8));
+  }
+}
+
+// sum + the pairwise products of adjacent int16 lanes of a and b (vpdpwssd). Highway 1.0.3
+// detects AVX512_VNNI for AVX3_DL but compiles the target without it (its target string names the
+// VEX "avxvnni"), so the intrinsic cannot inline here: the instruction is written out.
+HWY_INLINE VI32 PairDot(VI16 a, VI16 b, VI32 sum) {
+  __m512i acc = sum.raw;
+  asm("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(a.raw), "v"(b.raw));
+  return VI32{acc};
+}
+
+// Interleaving two cells' codes works inside 128-bit blocks: block t of `lo` holds dims 8t .. 8t+3
+// and of `hi` 8t+4 .. 8t+7. d0 / d1 get dims 0..15 / 16..31 in order.
+HWY_INLINE void UnzipDims(VF lo, VF hi, VF& d0, VF& d1) {
+  const __m512 a = _mm512_shuffle_f32x4(lo.raw, hi.raw, _MM_SHUFFLE(1, 0, 1, 0));
+  const __m512 b = _mm512_shuffle_f32x4(lo.raw, hi.raw, _MM_SHUFFLE(3, 2, 3, 2));
+  d0 = VF{_mm512_shuffle_f32x4(a, a, _MM_SHUFFLE(3, 1, 2, 0))};
+  d1 = VF{_mm512_shuffle_f32x4(b, b, _MM_SHUFFLE(3, 1, 2, 0))};
+}
+
+template <DType T, int kG>
+HWY_INLINE void AccumQuantInt(DF df, const char* vrow0, size_t vstride, int64_t n, int64_t Dv,
+                              const float* p, int64_t p_stride, const float* vscale, float* acc,
+                              int64_t acc_stride) {
+  const DI32 di;
+  const DI16 d16;
+  const hn::Rebind<int16_t, DF> dq;
+  constexpr int64_t kWq = kBlockCells + kRowPad;
+  constexpr int64_t kGroups = kBlockCells / static_cast<int64_t>(kN);
+  // Each group's weights are rounded against the bound pmax * dmax (largest p of the head in the
+  // group times the largest |d| of the block in the group): kG + blocks reductions per group
+  // instead of kG * blocks. A group whose p are all below 2^-60 is dropped: l >= 1 (it holds the
+  // running maximum's own weight), so it could move the output by < 16 * 2^-60 * max|V|.
+  float pmax[kG][kGroups], pinv[kG][kGroups];
+  for (int g = 0; g < kG; ++g) {
+    for (int64_t j = 0, grp = 0; j < n; j += kN, ++grp) {
+      const float m = hn::GetLane(hn::MaxOfLanes(df, hn::Load(df, p + g * p_stride + j)));
+      pmax[g][grp] = m >= 0x1p-60f ? m : 0.0f;
+      pinv[g][grp] = m >= 0x1p-60f ? 1.0f / m : 0.0f;
+    }
+  }
+  HWY_ALIGN int16_t wq[kG][kWq];
+  float gstep[kG][kGroups];
+  for (int64_t blk = 0; blk < Dv / 32; ++blk) {
+    const float* d = vscale + blk * kScaleStride;
+    float dmax[kGroups], dinv[kGroups];
+    bool finite = true;
+    for (int64_t j = 0, grp = 0; j < n; j += kN, ++grp) {
+      const VF dv = hn::Load(df, d + j);
+      finite &= hn::AllTrue(df, hn::IsFinite(dv));
+      dmax[grp] = hn::GetLane(hn::MaxOfLanes(df, hn::Abs(dv)));
+      // A nonzero f16 scale is >= 2^-24: with pinv <= 2^60 the product below stays finite.
+      dinv[grp] = dmax[grp] > 0.0f ? 32767.0f / dmax[grp] : 0.0f;
+    }
+    if (!finite) {  // inf / NaN scales: the f32 path, which propagates them
+      AccumQuantGroup<T, kG, 2>(df, vrow0, vstride, n, blk, p, p_stride, vscale, acc, acc_stride);
+      continue;
+    }
+    for (int g = 0; g < kG; ++g) {
+      for (int64_t j = 0, grp = 0; j < n; j += kN, ++grp) {
+        const VF w = hn::Mul(hn::Load(df, p + g * p_stride + j), hn::Load(df, d + j));
+        const VF inv = hn::Set(df, pinv[g][grp] * dinv[grp]);
+        hn::Store(hn::DemoteTo(dq, hn::NearestInt(hn::Mul(w, inv))), dq, &wq[g][j]);
+        gstep[g][grp] = pmax[g][grp] * dmax[grp] * (1.0f / 32767.0f);
+      }
+    }
+    const char* vblk = vrow0 + static_cast<size_t>(blk) * BlockBytes(T);
+    constexpr int kP = kG < 4 ? kG : 4;  // heads per pass: 2 x kP int32 and f32 accumulators
+    for (int g0 = 0; g0 < kG; g0 += kP) {
+      VF pa[kP][2];
+      for (int g = 0; g < kP; ++g) pa[g][0] = pa[g][1] = hn::Zero(df);
+      for (int64_t j0 = 0, grp = 0; j0 < n; j0 += kN, ++grp) {
+        VI32 ia[kP][2];
+        for (int g = 0; g < kP; ++g) ia[g][0] = ia[g][1] = hn::Zero(di);
+        const int64_t j1 = std::min<int64_t>(n, j0 + kN);
+        for (int64_t j = j0; j < j1; j += 2) {
+          const char* r0 = vblk + static_cast<size_t>(j) * vstride;
+          const VI16 c0 = LoadBlockCodes16<T>(r0);
+          // An odd last cell pairs with zeros (its partner's weight is 0 too: p is zero-padded).
+          const VI16 c1 = j + 1 < n ? LoadBlockCodes16<T>(r0 + vstride) : hn::Zero(d16);
+          const VI16 lo = hn::InterleaveLower(d16, c0, c1);
+          const VI16 hi = hn::InterleaveUpper(d16, c0, c1);
+          for (int g = 0; g < kP; ++g) {
+            int32_t pair;  // the two cells' weights, as vpdpwssd pairs them
+            std::memcpy(&pair, &wq[g0 + g][j], sizeof(pair));
+            const VI16 wv = hn::BitCast(d16, hn::Set(di, pair));
+            ia[g][0] = PairDot(lo, wv, ia[g][0]);
+            ia[g][1] = PairDot(hi, wv, ia[g][1]);
+          }
+        }
+        for (int g = 0; g < kP; ++g) {
+          const VF step = hn::Set(df, gstep[g0 + g][grp]);
+          pa[g][0] = hn::MulAdd(hn::ConvertTo(df, ia[g][0]), step, pa[g][0]);
+          pa[g][1] = hn::MulAdd(hn::ConvertTo(df, ia[g][1]), step, pa[g][1]);
+        }
+      }
+      for (int g = 0; g < kP; ++g) {
+        VF d0, d1;
+        UnzipDims(pa[g][0], pa[g][1], d0, d1);
+        float* a = acc + (g0 + g) * acc_stride + blk * 32;
+        hn::Store(hn::Add(hn::Load(df, a), d0), df, a);
+        hn::Store(hn::Add(hn::Load(df, a + kN), d1), df, a + kN);
+      }
+    }
+  }
+}
+#endif  // AVX3_DL
+
+#if HWY_TARGET != HWY_SCALAR
+// Horizontal sums of four vectors at once, [sum a0, sum a1, sum a2, sum a3]: two interleave-add
+// rounds inside each 128-bit block, then halves added down to 128 bits. About a third of the
+// shuffles of four separate SumOfLanes, which dominated the decode K loop.
+HWY_INLINE hn::Vec128<float> BlocksTo128(hn::Vec128<float> v) { return v; }
+#if HWY_CAP_GE256
+HWY_INLINE hn::Vec128<float> BlocksTo128(hn::Vec256<float> v) {
+  return hn::Add(hn::LowerHalf(v), hn::UpperHalf(hn::Full128<float>(), v));
+}
+#endif
+#if HWY_CAP_GE512
+HWY_INLINE hn::Vec128<float> BlocksTo128(hn::Vec512<float> v) {
+  return BlocksTo128(hn::Add(hn::LowerHalf(v), hn::UpperHalf(hn::Full256<float>(), v)));
+}
+#endif
+// Each 128-bit block of the result holds [sum x0, sum x1, sum x2, sum x3] over that block's lanes:
+// two interleave-add rounds inside the blocks.
+HWY_INLINE VF PairSums(DF df, VF x, VF y) {
+  return hn::Add(hn::InterleaveLower(df, x, y), hn::InterleaveUpper(df, x, y));
+}
+HWY_INLINE VF QuadSums(DF df, VF x0, VF x1, VF x2, VF x3) {
+  const VF t0 = PairSums(df, x0, x1);
+  const VF t1 = PairSums(df, x2, x3);
+  const hn::Repartition<uint64_t, DF> du;
+  return hn::Add(
+      hn::BitCast(df, hn::InterleaveLower(du, hn::BitCast(du, t0), hn::BitCast(du, t1))),
+      hn::BitCast(df, hn::InterleaveUpper(du, hn::BitCast(du, t0), hn::BitCast(du, t1))));
+}
+HWY_INLINE hn::Vec128<float> Reduce4(DF df, VF a0, VF a1, VF a2, VF a3) {
+  return BlocksTo128(QuadSums(df, a0, a1, a2, a3));
+}
+#endif
+
+// s[g] = dot(krow, qs + g * Dp) for kG heads; K converted once per vector, used by every head.
+template <DType T, int kG>
+HWY_INLINE void DotHeads(DF df, const void* krow, const float* qs, int64_t Dp, int64_t D, float* s,
+                         int64_t s_stride) {
+  VF acc[kG];
+  for (int g = 0; g < kG; ++g) acc[g] = hn::Zero(df);
+  if constexpr (IsQuantized(T)) {
+    for (int64_t blk = 0; blk < D / 32; ++blk) {
+      const VF scale = hn::Set(df, BlockScale<T>(krow, blk));
+      for (int64_t w = 0; w < 32; w += kN) {
+        const int64_t i = blk * 32 + w;
+        const VF kv = hn::Mul(LoadCodes<T>(df, krow, i), scale);
+        for (int g = 0; g < kG; ++g)
+          acc[g] = hn::MulAdd(hn::LoadU(df, qs + g * Dp + i), kv, acc[g]);
+      }
+    }
+  } else {
+    int64_t i = 0;
+    for (; i + static_cast<int64_t>(kN) <= D; i += kN) {
+      const VF kv = LoadFloat<T>(df, krow, i);
+      for (int g = 0; g < kG; ++g) acc[g] = hn::MulAdd(hn::LoadU(df, qs + g * Dp + i), kv, acc[g]);
+    }
+    if (i < D) {
+      const VF kv = LoadFloatTail<T>(df, krow, i, D - i);
+      for (int g = 0; g < kG; ++g) acc[g] = hn::MulAdd(hn::LoadU(df, qs + g * Dp + i), kv, acc[g]);
+    }
+  }
+  int g = 0;
+#if HWY_TARGET != HWY_SCALAR
+  for (; g + 4 <= kG; g += 4) {
+    HWY_ALIGN float four[4];
+    hn::Store(Reduce4(df, acc[g], acc[g + 1], acc[g + 2], acc[g + 3]), hn::Full128<float>(), four);
+    for (int t = 0; t < 4; ++t) s[(g + t) * s_stride] = four[t];
+  }
+#endif
+  for (; g < kG; ++g) s[g * s_stride] = hn::GetLane(hn::SumOfLanes(df, acc[g]));
+}
+
+// acc[g][0..Dv) += sum_j p[g][j] * V[j] for n plain V rows starting at vrow0, `vstride` apart.
+// Elements [i, i + kN) of row `row` as f32 with its block scale applied (quantized) or not.
+template <DType T>
+HWY_INLINE VF LoadK(DF df, const void* row, int64_t i, int64_t D, VF scale) {
+  if constexpr (IsQuantized(T)) {
+    (void)D;
+    return hn::Mul(LoadCodes<T>(df, row, i), scale);
+  } else {
+    (void)scale;
+    return i + static_cast<int64_t>(kN) <= D ? LoadFloat<T>(df, row, i)
+                                             : LoadFloatTail<T>(df, row, i, D - i);
+  }
+}
+
+// Two K rows at once: each q vector loaded once for both rows (the K loop is load-port bound).
+// s[g * s_stride] and s[g * s_stride + 1] receive rows 0 and 1.
+template <DType T, int kG>
+HWY_INLINE void DotHeads2(DF df, const void* krow0, const void* krow1, const float* qs, int64_t Dp,
+                          int64_t D, float* s, int64_t s_stride) {
+  VF acc0[kG], acc1[kG];
+  for (int g = 0; g < kG; ++g) acc0[g] = acc1[g] = hn::Zero(df);
+  if constexpr (IsQuantized(T)) {
+    // Block by block with the vectors of a block unrolled: no per-vector block index arithmetic.
+    const char* b0 = static_cast<const char*>(krow0);
+    const char* b1 = static_cast<const char*>(krow1);
+    const float* q = qs;
+    for (int64_t blk = 0; blk < D / 32; ++blk) {
+      const VF sc0 = hn::Set(df, BlockScale<T>(b0, 0));
+      const VF sc1 = hn::Set(df, BlockScale<T>(b1, 0));
+      for (int64_t w = 0; w < 32; w += kN) {
+        const VF k0 = hn::Mul(LoadCodes<T>(df, b0, w), sc0);
+        const VF k1 = hn::Mul(LoadCodes<T>(df, b1, w), sc1);
+        for (int g = 0; g < kG; ++g) {
+          const VF qv = hn::LoadU(df, q + g * Dp + w);
+          acc0[g] = hn::MulAdd(qv, k0, acc0[g]);
+          acc1[g] = hn::MulAdd(qv, k1, acc1[g]);
+        }
+      }
+      b0 += BlockBytes(T);
+      b1 += BlockBytes(T);
+      q += 32;
+    }
+  } else {
+    for (int64_t i = 0; i < D; i += kN) {
+      const VF k0 = LoadK<T>(df, krow0, i, D, hn::Zero(df));
+      const VF k1 = LoadK<T>(df, krow1, i, D, hn::Zero(df));
+      for (int g = 0; g < kG; ++g) {
+        const VF qv = hn::LoadU(df, qs + g * Dp + i);
+        acc0[g] = hn::MulAdd(qv, k0, acc0[g]);
+        acc1[g] = hn::MulAdd(qv, k1, acc1[g]);
+      }
+    }
+  }
+  int g = 0;
+#if HWY_TARGET != HWY_SCALAR
+  for (; g + 4 <= kG; g += 4) {
+    HWY_ALIGN float four[2][4];
+    hn::Store(Reduce4(df, acc0[g], acc0[g + 1], acc0[g + 2], acc0[g + 3]), hn::Full128<float>(),
+              four[0]);
+    hn::Store(Reduce4(df, acc1[g], acc1[g + 1], acc1[g + 2], acc1[g + 3]), hn::Full128<float>(),
+              four[1]);
+    for (int t = 0; t < 4; ++t) {
+      s[(g + t) * s_stride] = four[0][t];
+      s[(g + t) * s_stride + 1] = four[1][t];
+    }
+  }
+#endif
+  for (; g < kG; ++g) {
+    s[g * s_stride] = hn::GetLane(hn::SumOfLanes(df, acc0[g]));
+    s[g * s_stride + 1] = hn::GetLane(hn::SumOfLanes(df, acc1[g]));
+  }
+}
+
+#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
+// Four K rows x four heads, AVX-512 only (25 of its 32 registers; AVX2 would spill). Each q vector
+// is loaded once for four rows, and the 16 dot products are summed in one transposing reduction:
+// 45 shuffles and adds and four 128-bit stores instead of two DotHeads2 reductions (52) and 16
+// scalar stores, which took 17% of a q8_0 decode (perf). Every dtype: on the Zen 5 of session 4
+// (history in cache, 1 thread) f16 decode got 6% (head_dim 128) to 17% (64) faster; an earlier
+// machine had measured f16 5% slower. Float K rows need D % kN == 0 (no tail handling here).
+// s[g * s_stride + r] receives row r, head g.
+// Blocks [a0 + a1, a2 + a3, b0 + b1, b2 + b3] of 128 bits.
+HWY_INLINE VF BlockPairSums(VF a, VF b) {
+  return VF{_mm512_add_ps(_mm512_shuffle_f32x4(a.raw, b.raw, 0x88),
+                          _mm512_shuffle_f32x4(a.raw, b.raw, 0xDD))};
+}
+
+template <DType T>
+HWY_INLINE void DotHeads4(DF df, const char* krow0, size_t kstride, const float* qs, int64_t Dp,
+                          int64_t D, float* s, int64_t s_stride) {
+  constexpr int kR = 4, kG = 4;
+  VF acc[kR][kG];
+  for (int r = 0; r < kR; ++r)
+    for (int g = 0; g < kG; ++g) acc[r][g] = hn::Zero(df);
+  const float* q = qs;
+  if constexpr (!IsQuantized(T)) {
+    for (int64_t i = 0; i < D; i += kN) {
+      VF k[kR];
+      for (int r = 0; r < kR; ++r) k[r] = LoadFloat<T>(df, krow0 + r * kstride, i);
+      for (int g = 0; g < kG; ++g) {
+        const VF qv = hn::LoadU(df, q + g * Dp + i);
+        for (int r = 0; r < kR; ++r) acc[r][g] = hn::MulAdd(qv, k[r], acc[r][g]);
+      }
+    }
+  } else {
+    for (int64_t blk = 0; blk < D / 32; ++blk) {
+      const char* b = krow0 + blk * BlockBytes(T);
+      VF sc[kR];
+      for (int r = 0; r < kR; ++r) sc[r] = hn::Set(df, BlockScale<T>(b + r * kstride, 0));
+      for (int64_t w = 0; w < 32; w += kN) {
+        VF k[kR];
+        for (int r = 0; r < kR; ++r) k[r] = hn::Mul(LoadCodes<T>(df, b + r * kstride, w), sc[r]);
+        for (int g = 0; g < kG; ++g) {
+          const VF qv = hn::LoadU(df, q + g * Dp + w);
+          for (int r = 0; r < kR; ++r) acc[r][g] = hn::MulAdd(qv, k[r], acc[r][g]);
+        }
+      }
+      q += 32;
+    }
+  }
+  // u[g]: block b holds head g's partial sums of rows 0..3 over block b's lanes.
+  VF u[kG];
+  for (int g = 0; g < kG; ++g) u[g] = QuadSums(df, acc[0][g], acc[1][g], acc[2][g], acc[3][g]);
+  // Block g of `all`: head g, rows 0..3.
+  const VF all = BlockPairSums(BlockPairSums(u[0], u[1]), BlockPairSums(u[2], u[3]));
+  HWY_ALIGN float out[16];
+  hn::Store(all, df, out);
+  const hn::Full128<float> d4;
+  for (int g = 0; g < kG; ++g) hn::StoreU(hn::Load(d4, out + 4 * g), d4, s + g * s_stride);
+}
+#endif  // AVX3
+
+// Float dtypes. Dimension chunks outside, cells inside: each head's accumulator chunk stays in a
+// register.
+template <DType T, int kG>
+HWY_INLINE void AccumPlain(DF df, const char* vrow0, size_t vstride, int64_t n, int64_t Dv,
+                           const float* p, int64_t p_stride, float* acc, int64_t acc_stride) {
+  int64_t i = 0;
+  if constexpr (kG <= 4) {  // kVChunks chunks per pass (see kVChunks)
+    constexpr int64_t kC = kVChunks;
+    for (; i + kC * static_cast<int64_t>(kN) <= Dv; i += kC * kN) {
+      VF a[kC][kG];
+      for (int64_t c = 0; c < kC; ++c)
+        for (int g = 0; g < kG; ++g) a[c][g] = hn::Load(df, acc + g * acc_stride + i + c * kN);
+      for (int64_t j = 0; j < n; ++j) {
+        const char* vr = vrow0 + static_cast<size_t>(j) * vstride;
+        VF vv[kC];
+        for (int64_t c = 0; c < kC; ++c) vv[c] = LoadFloat<T>(df, vr, i + c * kN);
+        for (int g = 0; g < kG; ++g) {
+          const VF pg = hn::Set(df, p[g * p_stride + j]);
+          for (int64_t c = 0; c < kC; ++c) a[c][g] = hn::MulAdd(pg, vv[c], a[c][g]);
+        }
+      }
+      for (int64_t c = 0; c < kC; ++c)
+        for (int g = 0; g < kG; ++g) hn::Store(a[c][g], df, acc + g * acc_stride + i + c * kN);
+    }
+  }
+  for (; i < Dv; i += kN) {
+    const bool tail = i + static_cast<int64_t>(kN) > Dv;  // acc is padded
+    VF a[kG];
+    for (int g = 0; g < kG; ++g) a[g] = hn::Load(df, acc + g * acc_stride + i);
+    for (int64_t j = 0; j < n; ++j) {
+      const char* vr = vrow0 + static_cast<size_t>(j) * vstride;
+      const VF vv = tail ? LoadFloatTail<T>(df, vr, i, Dv - i) : LoadFloat<T>(df, vr, i);
+      for (int g = 0; g < kG; ++g) a[g] = hn::MulAdd(hn::Set(df, p[g * p_stride + j]), vv, a[g]);
+    }
+    for (int g = 0; g < kG; ++g) hn::Store(a[g], df, acc + g * acc_stride + i);
+  }
+}
+
+// Permuted V (cells fastest): acc[g][d] += dot(p[g][0..n), V[d][c0..c0+n)).
+template <DType T, int kG>
+HWY_INLINE void AccumPermuted(DF df, const char* vhead, size_t dim_stride, int64_t c0, int64_t n,
+                              int64_t Dv, const float* p, int64_t p_stride, float* acc,
+                              int64_t acc_stride) {
+  constexpr size_t kElem = BlockBytes(T);
+  for (int64_t d = 0; d < Dv; ++d) {
+    const char* line =
+        vhead + static_cast<size_t>(d) * dim_stride + static_cast<size_t>(c0) * kElem;
+    VF a[kG];
+    for (int g = 0; g < kG; ++g) a[g] = hn::Zero(df);
+    int64_t j = 0;
+    for (; j + static_cast<int64_t>(kN) <= n; j += kN) {
+      const VF vv = LoadFloat<T>(df, line, j);
+      for (int g = 0; g < kG; ++g) a[g] = hn::MulAdd(hn::LoadU(df, p + g * p_stride + j), vv, a[g]);
+    }
+    if (j < n) {
+      const VF vv = LoadFloatTail<T>(df, line, j, n - j);
+      for (int g = 0; g < kG; ++g) a[g] = hn::MulAdd(hn::LoadU(df, p + g * p_stride + j), vv, a[g]);
+    }
+    for (int g = 0; g < kG; ++g) acc[g * acc_stride + d] += hn::GetLane(hn::SumOfLanes(df, a[g]));
+  }
+}
+
+// Softcap (optional) and mask on n scores of one head.
+HWY_INLINE void ShapeScores(DF df, const Ctx& c, int64_t b, int64_t c0, int64_t n, float* s) {
+  if (c.p.softcap != 0) {
+    const VF cap = hn::Set(df, c.p.softcap);
+    const VF inv = hn::Set(df, 1.0f / c.p.softcap);
+    for (int64_t j = 0; j < n; j += kN) {
+      const VF x = hn::Load(df, s + j);
+      hn::Store(hn::Mul(cap, hn::Tanh(df, hn::Mul(x, inv))), df, s + j);
+    }
+  }
+  if (c.mask.data != nullptr) {
+    // Visible cells carry 0 in the caches' masks; other finite values are honoured. The caches
+    // always pass a mask: vector loads (f32 / f16, elements packed) instead of a scalar per cell.
+    const char* mrow = static_cast<const char*>(c.mask.data) +
+                       static_cast<size_t>(b) * c.mask.nb[1] +
+                       static_cast<size_t>(c0) * c.mask.nb[0];
+    int64_t j = 0;
+    if (c.mask.dtype == DType::kF32) {
+      for (; j + static_cast<int64_t>(kN) <= n; j += kN) {
+        hn::Store(hn::Add(hn::Load(df, s + j), LoadFloat<DType::kF32>(df, mrow, j)), df, s + j);
+      }
+    } else if (c.mask.dtype == DType::kF16) {
+      for (; j + static_cast<int64_t>(kN) <= n; j += kN) {
+        hn::Store(hn::Add(hn::Load(df, s + j), LoadFloat<DType::kF16>(df, mrow, j)), df, s + j);
+      }
+    }
+    for (; j < n; ++j) s[j] += attn::MaskValue(c.mask, b, c0 + j);
+  }
+}
+
+// One online-softmax step for one head over n scores: turns s into p, rescales the state.
+// state: acc[0..Dvp), then m at [Dvp], l at [Dvp + 1]. Precondition: n >= 1, all s finite.
+HWY_INLINE void SoftmaxStep(DF df, int64_t n, int64_t Dvp, float* s, float* state) {
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  VF vmax = hn::Set(df, neg_inf);
+  int64_t j = 0;
+  for (; j + static_cast<int64_t>(kN) <= n; j += kN) vmax = hn::Max(vmax, hn::Load(df, s + j));
+  float m_blk = hn::GetLane(hn::MaxOfLanes(df, vmax));
+  for (; j < n; ++j) m_blk = std::max(m_blk, s[j]);
+  const float m_old = state[Dvp];
+  const float m_new = std::max(m_old, m_blk);
+  const VF vm = hn::Set(df, m_new);
+  const VF vlow = hn::Set(df, -std::numeric_limits<float>::max());
+  VF vsum = hn::Zero(df);
+  for (j = 0; j < n; j += kN) {
+    // Clamped: Exp is valid on [-FLT_MAX, 104]; a difference of extreme logits may reach -inf.
+    VF e = hn::Exp(df, hn::Max(hn::Sub(hn::Load(df, s + j), vm), vlow));
+    if (j + static_cast<int64_t>(kN) > n) e = hn::IfThenElseZero(hn::FirstN(df, n - j), e);
+    vsum = hn::Add(vsum, e);
+    hn::Store(e, df, s + j);
+  }
+  const float sum = hn::GetLane(hn::SumOfLanes(df, vsum));
+  if (m_new != m_old) {
+    const float alpha = std::exp(m_old - m_new);  // 0 on the first visible cell (m_old = -inf)
+    const VF va = hn::Set(df, alpha);
+    for (int64_t i = 0; i < Dvp; i += kN) {
+      hn::Store(hn::Mul(hn::Load(df, state + i), va), df, state + i);
+    }
+    state[Dvp + 1] *= alpha;
+  }
+  state[Dvp] = m_new;
+  state[Dvp + 1] += sum;
+}
+
+// Cells [c0, c0 + n) (all visible to row b) for heads g0 .. g0 + kG of KV head h.
+template <DType T, bool kPermV, int kG>
+HWY_NOINLINE void DecodeCells(const Ctx& c, int64_t h, int64_t b, int64_t g0, int64_t c0, int64_t n,
+                              const float* qs, float* rows) {
+  const DF df;
+  HWY_ALIGN float s[kG][kBlockCells + kRowPad];
+  const char* kbase = static_cast<const char*>(c.k.data) + static_cast<size_t>(h) * c.k.nb[1];
+  const char* vrow0 = static_cast<const char*>(c.v.data) + static_cast<size_t>(h) * c.v.nb[1] +
+                      static_cast<size_t>(c0) * c.v.nb[2];
+  HWY_ALIGN float vd[IsQuantized(T) ? kMaxQBlocks : 1][kScaleStride];
+
+  // Software prefetch: K rows kPrefetchBytes ahead (a single thread keeps too few misses in flight
+  // on its own to reach the read bandwidth), and this piece's V rows ahead of the V pass.
+  const size_t krow_bytes = RowBytes(T, c.D);
+  const size_t vrow_bytes = kPermV ? 0 : RowBytes(T, c.Dv);
+  const int64_t ahead =
+      std::clamp<int64_t>(kPrefetchBytes / static_cast<int64_t>(krow_bytes), 8, 48);
+  const char* k_ahead = kbase + static_cast<size_t>(c0 + ahead) * c.k.nb[2];
+  const size_t kst = c.k.nb[2], vst = c.v.nb[2];
+  const auto prefetch = [=](int64_t j) {
+    const char* ka = k_ahead + static_cast<size_t>(j) * kst;
+    for (size_t o = 0; o < krow_bytes; o += 64) hwy::Prefetch(ka + o);
+    const char* va = vrow0 + static_cast<size_t>(j) * vst;
+    for (size_t o = 0; o < vrow_bytes; o += 64) hwy::Prefetch(va + o);
+  };
+  int64_t j = 0;
+#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
+  if constexpr (kG == 4) {
+    const int64_t n4 = IsQuantized(T) || c.D % static_cast<int64_t>(kN) == 0 ? n : 0;
+    for (; j + 4 <= n4; j += 4) {
+      for (int64_t r = 0; r < 4; ++r) prefetch(j + r);
+      DotHeads4<T>(df, kbase + static_cast<size_t>(c0 + j) * c.k.nb[2], c.k.nb[2], qs + g0 * c.Dp,
+                   c.Dp, c.D, &s[0][j], kBlockCells + kRowPad);
+    }
+  }
+#endif
+  for (; j + 2 <= n; j += 2) {
+    for (int64_t r = 0; r < 2; ++r) prefetch(j + r);
+    const char* k0 = kbase + static_cast<size_t>(c0 + j) * c.k.nb[2];
+    DotHeads2<T, kG>(df, k0, k0 + c.k.nb[2], qs + g0 * c.Dp, c.Dp, c.D, &s[0][j],
+                     kBlockCells + kRowPad);
+  }
+  if (j < n) {
+    DotHeads<T, kG>(df, kbase + static_cast<size_t>(c0 + j) * c.k.nb[2], qs + g0 * c.Dp, c.Dp, c.D,
+                    &s[0][j], kBlockCells + kRowPad);
+  }
+  const int64_t rs = attn::PartialStride(c);
+  float* state = rows + g0 * rs;
+  for (int g = 0; g < kG; ++g) {
+    for (int64_t j = n; j < static_cast<int64_t>(attn::Pad(n)); ++j) s[g][j] = 0.0f;
+    ShapeScores(df, c, b, c0, n, s[g]);
+    SoftmaxStep(df, n, c.Dvp, s[g], state + g * rs);
+  }
+  if constexpr (kPermV) {
+    const char* vhead = static_cast<const char*>(c.v.data) + static_cast<size_t>(h) * c.v.nb[2];
+    AccumPermuted<T, kG>(df, vhead, c.v.nb[1], c0, n, c.Dv, &s[0][0], kBlockCells + kRowPad, state,
+                         rs);
+  } else if constexpr (IsQuantized(T)) {
+    // The V rows were prefetched during the K pass: the scales gather from cache.
+    GatherScales<T>(df, vrow0, c.v.nb[2], n, c.Dv / 32, &vd[0][0]);
+#if HWY_TARGET == HWY_AVX3_DL
+    if (c.p.integer_v) {
+      AccumQuantInt<T, kG>(df, vrow0, c.v.nb[2], n, c.Dv, &s[0][0], kBlockCells + kRowPad,
+                           &vd[0][0], state, rs);
+      return;
+    }
+#endif
+    AccumQuant<T, kG>(df, vrow0, c.v.nb[2], n, c.Dv, &s[0][0], kBlockCells + kRowPad, &vd[0][0],
+                      state, rs);
+  } else {
+    AccumPlain<T, kG>(df, vrow0, c.v.nb[2], n, c.Dv, &s[0][0], kBlockCells + kRowPad, state, rs);
+  }
+}
+
+template <DType T, bool kPermV>
+HWY_INLINE void DecodeCellsAllHeads(const Ctx& c, int64_t h, int64_t b, int64_t c0, int64_t n,
+                                    const float* qs, float* rows) {
+  int64_t g = 0;
+  for (; g + 8 <= c.G; g += 8) DecodeCells<T, kPermV, 8>(c, h, b, g, c0, n, qs, rows);
+  const int64_t r = c.G - g;
+  if (r >= 4) {
+    DecodeCells<T, kPermV, 4>(c, h, b, g, c0, n, qs, rows);
+    g += 4;
+  }
+  if (c.G - g >= 2) {
+    DecodeCells<T, kPermV, 2>(c, h, b, g, c0, n, qs, rows);
+    g += 2;
+  }
+  if (c.G - g >= 1) DecodeCells<T, kPermV, 1>(c, h, b, g, c0, n, qs, rows);
+}
+
+// Spans shorter than this are gathered (see DecodeGathered).
+constexpr int64_t kShortSpan = 16;
+
+// Cells `cells[0..n)` (ascending, all visible to row b) for every query head of KV head h, from a
+// contiguous copy: head h's K and V rows and row b's mask values are copied to per-thread scratch,
+// and DecodeCellsAllHeads runs on a Ctx whose views describe the copy as cells [0, n). Batched
+// decode puts each sequence's new tokens in interleaved cells, so without this every row sees
+// runs of one-cell spans, each paying a softmax step and a pass over the accumulators. Plain V
+// only (a permuted V row is one element per dimension line).
+template <DType T>
+HWY_NOINLINE void DecodeGathered(const Ctx& c, int64_t h, int64_t b, const int32_t* cells,
+                                 int64_t n, const float* qs, float* rows) {
+  const size_t krb = RowBytes(T, c.D), vrb = RowBytes(T, c.Dv);
+  const size_t kbytes = (static_cast<size_t>(n) * krb + 63) / 64 * 64;
+  const size_t vbytes = (static_cast<size_t>(n) * vrb + 63) / 64 * 64;
+  char* kbuf = reinterpret_cast<char*>(
+      attn::ThreadScratch((kbytes + vbytes) / 4 + static_cast<size_t>(attn::Pad(n)), 2));
+  char* vbuf = kbuf + kbytes;
+  float* mbuf = reinterpret_cast<float*>(vbuf + vbytes);
+  const char* ksrc = static_cast<const char*>(c.k.data) + static_cast<size_t>(h) * c.k.nb[1];
+  const char* vsrc = static_cast<const char*>(c.v.data) + static_cast<size_t>(h) * c.v.nb[1];
+  for (int64_t i = 0; i < n; ++i) {
+    std::memcpy(kbuf + static_cast<size_t>(i) * krb,
+                ksrc + static_cast<size_t>(cells[i]) * c.k.nb[2], krb);
+    std::memcpy(vbuf + static_cast<size_t>(i) * vrb,
+                vsrc + static_cast<size_t>(cells[i]) * c.v.nb[2], vrb);
+    mbuf[i] = attn::MaskValue(c.mask, b, cells[i]);
+  }
+  Ctx g = c;
+  g.k.data = kbuf;
+  g.k.nb[1] = 0;  // the copy holds head h only
+  g.k.nb[2] = krb;
+  g.v.data = vbuf;
+  g.v.nb[1] = 0;
+  g.v.nb[2] = vrb;
+  g.mask.data = mbuf;  // row b's values, read as row 0 of an f32 mask
+  g.mask.dtype = DType::kF32;
+  g.mask.nb[0] = sizeof(float);
+  g.mask.nb[1] = 0;
+  DecodeCellsAllHeads<T, false>(g, 0, b, 0, n, qs, rows);
+}
+
+template <DType T, bool kPermV>
+void DecodeHeadChunk(const Ctx& c, int64_t h, int64_t chunk) {
+  const DF df;
+  const int64_t lo = chunk * c.chunk;
+  const int64_t hi = std::min(c.L, lo + c.chunk);
+  const int64_t rs = attn::PartialStride(c);
+  float* part = c.partials + (h * c.n_chunks + chunk) * c.B * c.G * rs;
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  for (int64_t r = 0; r < c.B * c.G; ++r) {
+    float* row = part + r * rs;
+    for (int64_t i = 0; i < c.Dvp; i += kN) hn::Store(hn::Zero(df), df, row + i);
+    row[c.Dvp] = neg_inf;
+    row[c.Dvp + 1] = 0.0f;
+  }
+  // The group's query rows, pre-scaled and zero-padded: [B][G][Dp].
+  float* qs = attn::ThreadScratch(static_cast<size_t>(c.B * c.G * c.Dp), 1);
+  const VF vscale = hn::Set(df, c.p.scale);
+  for (int64_t b = 0; b < c.B; ++b) {
+    for (int64_t g = 0; g < c.G; ++g) {
+      const float* src = static_cast<const float*>(RowPtr(c.q, b, h * c.G + g));
+      float* dst = qs + (b * c.G + g) * c.Dp;
+      int64_t i = 0;
+      for (; i + static_cast<int64_t>(kN) <= c.D; i += kN) {
+        hn::Store(hn::Mul(hn::LoadU(df, src + i), vscale), df, dst + i);
+      }
+      for (; i < c.Dp; ++i) dst[i] = i < c.D ? src[i] * c.p.scale : 0.0f;
+    }
+  }
+  // Per row, a cursor into its spans: the first span ending after lo.
+  constexpr int64_t kMaxB = 64;
+  int64_t cursor[kMaxB];
+  for (int64_t b = 0; b < c.B; ++b) {
+    const int32_t* sp = c.spans + 2 * c.span_off[b];
+    const int64_t ns = c.span_off[b + 1] - c.span_off[b];
+    int64_t l = 0, r = ns;  // first span with end > lo
+    while (l < r) {
+      const int64_t mid = (l + r) / 2;
+      if (sp[2 * mid + 1] <= lo)
+        l = mid + 1;
+      else
+        r = mid;
+    }
+    cursor[b] = l;
+  }
+  for (int64_t blk0 = lo; blk0 < hi; blk0 += kBlockCells) {
+    const int64_t blk1 = std::min(hi, blk0 + kBlockCells);
+    for (int64_t b = 0; b < c.B; ++b) {
+      const int32_t* sp = c.spans + 2 * c.span_off[b];
+      const int64_t ns = c.span_off[b + 1] - c.span_off[b];
+      int64_t& cur = cursor[b];
+      int32_t short_cells[kBlockCells];  // cells of this block's short spans, gathered
+      int64_t n_short = 0, short_spans = 0;
+      while (cur < ns && sp[2 * cur] < blk1) {
+        const int64_t s0 = std::max<int64_t>(sp[2 * cur], blk0);
+        const int64_t s1 = std::min<int64_t>(sp[2 * cur + 1], blk1);
+        if (s1 > s0 && !kPermV && s1 - s0 < kShortSpan) {
+          for (int64_t j = s0; j < s1; ++j) short_cells[n_short++] = static_cast<int32_t>(j);
+          ++short_spans;
+        } else if (s1 > s0) {
+          DecodeCellsAllHeads<T, kPermV>(c, h, b, s0, s1 - s0, qs + b * c.G * c.Dp,
+                                         part + b * c.G * rs);
+        }
+        if (sp[2 * cur + 1] > blk1) break;  // the span goes on into the next block
+        ++cur;
+      }
+      if constexpr (!kPermV) {
+        if (short_spans == 1) {  // contiguous: nothing to gain from a copy
+          DecodeCellsAllHeads<T, kPermV>(c, h, b, short_cells[0], n_short, qs + b * c.G * c.Dp,
+                                         part + b * c.G * rs);
+        } else if (short_spans > 1) {
+          DecodeGathered<T>(c, h, b, short_cells, n_short, qs + b * c.G * c.Dp,
+                            part + b * c.G * rs);
+        }
+      }
+    }
+  }
+}
+
+// Task t: KV heads [t / n_chunks * task_heads, ..) over chunk t % n_chunks, one head after the
+// other.
+template <DType T, bool kPermV>
+void DecodeTask(const Ctx& c, int64_t task) {
+  const int64_t h0 = task / c.n_chunks * c.task_heads;
+  const int64_t h1 = std::min(c.Hkv, h0 + c.task_heads);
+  for (int64_t h = h0; h < h1; ++h) DecodeHeadChunk<T, kPermV>(c, h, task % c.n_chunks);
+}
+
+// Combines the chunks' partials of every (b, query head), adds the sink, divides, writes out.
+void DecodeMerge(const Ctx& c) {
+  const DF df;
+  const int64_t rs = attn::PartialStride(c);
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  for (int64_t hq = 0; hq < c.Hq; ++hq) {
+    const int64_t h = hq / c.G;
+    const int64_t g = hq % c.G;
+    for (int64_t b = 0; b < c.B; ++b) {
+      auto row_of = [&](int64_t chunk) {
+        return c.partials + ((h * c.n_chunks + chunk) * c.B * c.G + b * c.G + g) * rs;
+      };
+      float m = c.p.sinks != nullptr ? c.p.sinks[hq] : neg_inf;
+      for (int64_t ch = 0; ch < c.n_chunks; ++ch) m = std::max(m, row_of(ch)[c.Dvp]);
+      float* o = static_cast<float*>(RowPtr(c.out, b, hq));
+      if (m == neg_inf) {
+        for (int64_t i = 0; i < c.Dv; ++i) o[i] = 0.0f;
+        continue;
+      }
+      float l = c.p.sinks != nullptr ? std::exp(c.p.sinks[hq] - m) : 0.0f;
+      // Accumulate into chunk 0's row (this merge owns the partials now).
+      float* acc = row_of(0);
+      const float w0 = acc[c.Dvp] == neg_inf ? 0.0f : std::exp(acc[c.Dvp] - m);
+      l += w0 * acc[c.Dvp + 1];
+      for (int64_t i = 0; i < c.Dvp; i += kN) {
+        hn::Store(hn::Mul(hn::Load(df, acc + i), hn::Set(df, w0)), df, acc + i);
+      }
+      for (int64_t ch = 1; ch < c.n_chunks; ++ch) {
+        const float* r = row_of(ch);
+        if (r[c.Dvp] == neg_inf) continue;
+        const float w = std::exp(r[c.Dvp] - m);
+        l += w * r[c.Dvp + 1];
+        for (int64_t i = 0; i < c.Dvp; i += kN) {
+          hn::Store(hn::MulAdd(hn::Load(df, r + i), hn::Set(df, w), hn::Load(df, acc + i)), df,
+                    acc + i);
+        }
+      }
+      const float inv = l > 0 ? 1.0f / l : 0.0f;
+      for (int64_t i = 0; i < c.Dv; ++i) o[i] = acc[i] * inv;
+    }
+  }
+}
+
+template <DType T, bool kPermV>
+void RunDecodeTyped(const Ctx& c, const ParallelForFn& pf) {
+  attn::RunTasks(
+      c, (c.Hkv + c.task_heads - 1) / c.task_heads * c.n_chunks, pf,
+      [](void* ctx, int64_t i) { DecodeTask<T, kPermV>(*static_cast<const Ctx*>(ctx), i); });
+  DecodeMerge(c);
+}
+
+void DecodeImpl(const Ctx& c, const ParallelForFn& pf) {
+  attn::WithStorageTypes(c, [&]<DType T, bool kPermV>() { RunDecodeTyped<T, kPermV>(c, pf); });
+}
+
+}  // namespace HWY_NAMESPACE
+}  // namespace kv::kernels
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+namespace kv::kernels {
+HWY_EXPORT(DecodeImpl);
+
+void attn::RunDecode(const Ctx& c, const ParallelForFn& pf) {
+  HWY_DYNAMIC_DISPATCH(DecodeImpl)(c, pf);
+}
+}  // namespace kv::kernels
+#endif  // HWY_ONCE

@@ -1,0 +1,130 @@
+// Shared by the attention kernel's two translation units (kernels/attention.cc: setup and
+// prefill; kernels/attention_decode.cc: decode): the call context and target-independent helpers.
+// Internal to the kernels layer; kernels/attention.h is the contract.
+#ifndef KVCACHE_KERNELS_ATTENTION_INTERNAL_H_
+#define KVCACHE_KERNELS_ATTENTION_INTERNAL_H_
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+
+#include "hwy/aligned_allocator.h"
+#include "kernels/attention.h"
+#include "layouts/quant.h"
+
+namespace kv::kernels {
+namespace attn {
+
+inline constexpr int64_t kBlockCells = 128;  // decode: cells per online-softmax update
+inline constexpr int64_t kMaxPass = 8;       // decode: query heads served by one K row load
+inline constexpr int64_t kRowPad = 16;       // row padding (floats) valid for every target
+
+constexpr int64_t Pad(int64_t n) { return (n + kRowPad - 1) / kRowPad * kRowPad; }
+
+struct Ctx {
+  TensorView q, k, v, mask, out;
+  AttentionKernelParams p;
+  int64_t D, Dv, Hkv, L, B, Hq, G;
+  int64_t Dp, Dvp;  // padded to kRowPad
+  // decode
+  const int32_t* spans = nullptr;  // pairs [start, end) of visible cells, per row
+  const int64_t* span_off =
+      nullptr;  // row b's pairs: spans[2 * span_off[b] .. 2 * span_off[b + 1])
+  int64_t n_chunks = 1, chunk = 0;
+  int64_t task_heads = 1;     // KV heads per task: task t = (heads [t / n_chunks * task_heads, ..),
+                              // chunk t % n_chunks)
+  float* partials = nullptr;  // [Hkv * n_chunks][B][G][Dvp + kRowPad]: acc, then m, l
+  // prefill
+  const int32_t* row_lo = nullptr;  // first visible cell of row b (L when none)
+  const int32_t* row_hi = nullptr;  // last visible cell + 1 (0 when none)
+  int64_t q_tile = 1, n_qtiles = 1;
+};
+
+inline int64_t PartialStride(const Ctx& c) { return c.Dvp + kRowPad; }
+
+// One 64-byte-aligned float buffer per thread, grown to the largest size asked for.
+// Per-thread scratch that only grows. Growth is geometric with a 256 KiB floor: the visible-span
+// table needs B * (L / 2 + 1) entries, so growing to the exact size reallocated on every other
+// decode step as the history lengthened. With the floor a single decoding sequence never
+// reallocates below ~128K cells, and beyond that it reallocates O(log L) times.
+inline float* ThreadScratch(size_t floats, int which) {
+  constexpr size_t kMinFloats = size_t{1} << 16;
+  thread_local hwy::AlignedFreeUniquePtr<float[]> buf[3];
+  thread_local size_t cap[3] = {0, 0, 0};
+  if (cap[which] < floats) {
+    const size_t grown = std::max({floats, 2 * cap[which], kMinFloats});
+    buf[which] = hwy::AllocateAligned<float>(grown);
+    cap[which] = grown;
+  }
+  return buf[which].get();
+}
+
+// mask[b * L + j]: row b (batch token), cell j.
+inline float MaskValue(const TensorView& mask, int64_t b, int64_t j) {
+  return ElementAsF32(mask, j, b);
+}
+
+// Calls emit(s0, s1) for each maximal run [s0, s1) of cells j in [0, L) where masked(j) is false.
+template <class Masked, class Emit>
+void ForEachVisibleSpan(int64_t L, const Masked& masked, const Emit& emit) {
+  int64_t j = 0;
+  while (j < L) {
+    while (j < L && masked(j)) ++j;
+    if (j == L) break;
+    const int64_t s0 = j;
+    while (j < L && !masked(j)) ++j;
+    emit(s0, j);
+  }
+}
+
+// f16 scale of a quantized block to f32: exact for zero, subnormal and normal values (the bits are
+// placed as an f32 with the exponent rebias done by one multiply); inf/NaN take the slow path.
+inline float F16ScaleToF32(uint16_t h) {
+  if ((h & 0x7C00u) == 0x7C00u) return F16ToF32(h);
+  const uint32_t bits =
+      (static_cast<uint32_t>(h & 0x8000u) << 16) | (static_cast<uint32_t>(h & 0x7FFFu) << 13);
+  return F32FromBits(bits) * 0x1p112f;
+}
+
+// Calls run.template operator()<T, kPermV>() with the call's K/V storage type and V layout, so
+// each translation unit instantiates its tasks for every pair the kernel supports (quantized V is
+// plain only).
+template <class Run>
+void WithStorageTypes(const Ctx& c, const Run& run) {
+  const bool perm = c.p.v_permuted;
+  switch (c.k.dtype) {
+    case DType::kF32:
+      return perm ? run.template operator()<DType::kF32, true>()
+                  : run.template operator()<DType::kF32, false>();
+    case DType::kF16:
+      return perm ? run.template operator()<DType::kF16, true>()
+                  : run.template operator()<DType::kF16, false>();
+    case DType::kBF16:
+      return perm ? run.template operator()<DType::kBF16, true>()
+                  : run.template operator()<DType::kBF16, false>();
+    case DType::kQ8_0:
+      return run.template operator()<DType::kQ8_0, false>();
+    case DType::kQ4_0:
+      return run.template operator()<DType::kQ4_0, false>();
+  }
+}
+
+// Runs task(ctx = &c, i) for i in [0, n) on pf's threads, or inline when there is no pool or one
+// task.
+inline void RunTasks(const Ctx& c, int64_t n, const ParallelForFn& pf,
+                     void (*task)(void*, int64_t)) {
+  void* ctx = const_cast<Ctx*>(&c);
+  if (pf.run == nullptr || n == 1) {
+    for (int64_t i = 0; i < n; ++i) task(ctx, i);
+  } else {
+    pf.run(pf.user, n, task, ctx);
+  }
+}
+
+// Runs the decode tasks (kernels/attention_decode.cc) on the best target and merges their partials
+// into c.out. Preconditions: Attention() has filled c's decode fields (spans, chunks, partials).
+void RunDecode(const Ctx& c, const ParallelForFn& pf);
+
+}  // namespace attn
+}  // namespace kv::kernels
+#endif  // KVCACHE_KERNELS_ATTENTION_INTERNAL_H_

@@ -1,0 +1,110 @@
+// Per-target loaders shared by kernels/attention.cc (prefill) and kernels/attention_decode.cc:
+// a run of one K/V row's elements as f32 in registers, for every storage type, and quantized block
+// scales. Included once per Highway target by each translation unit (the usual -inl.h toggle).
+#if defined(KVCACHE_KERNELS_ATTENTION_LOAD_INL_H_) == defined(HWY_TARGET_TOGGLE)
+#ifdef KVCACHE_KERNELS_ATTENTION_LOAD_INL_H_
+#undef KVCACHE_KERNELS_ATTENTION_LOAD_INL_H_
+#else
+#define KVCACHE_KERNELS_ATTENTION_LOAD_INL_H_
+#endif
+
+#include <cstdint>
+#include <cstring>
+
+#include "hwy/highway.h"
+#include "kernels/attention_internal.h"
+
+HWY_BEFORE_NAMESPACE();
+namespace kv::kernels {
+namespace HWY_NAMESPACE {
+namespace hn = hwy::HWY_NAMESPACE;
+
+using DF = hn::ScalableTag<float>;
+using VF = hn::Vec<DF>;
+inline constexpr size_t kN = hn::MaxLanes(DF());
+static_assert(32 % kN == 0, "a vector never straddles a quantized block");
+
+// ---- loading a run of elements of one row as f32 ----------------------------------------------
+
+// f16 -> f32, exact for every input. Targets without F16C get Highway 1.0.3's software conversion,
+// which reads exponent 31 as 2^16 * (1 + m / 1024); those lanes (inf, NaN) are rebuilt here.
+template <class D, class VH>
+HWY_INLINE hn::Vec<D> PromoteF16(D df, VH h) {
+  const hn::Vec<D> f = hn::PromoteTo(df, h);
+#if HWY_TARGET >= HWY_SSE4 || defined(HWY_DISABLE_F16C)
+  const hn::RebindToUnsigned<D> du;
+  const hn::Rebind<uint16_t, D> du16;
+  const auto bits = hn::PromoteTo(du, hn::BitCast(du16, h));
+  const auto special = hn::Eq(hn::And(bits, hn::Set(du, 0x7C00u)), hn::Set(du, 0x7C00u));
+  const auto rebuilt = hn::Or(
+      hn::ShiftLeft<16>(hn::And(bits, hn::Set(du, 0x8000u))),
+      hn::Or(hn::Set(du, 0x7F800000u), hn::ShiftLeft<13>(hn::And(bits, hn::Set(du, 0x3FFu)))));
+  return hn::IfThenElse(hn::RebindMask(df, special), hn::BitCast(df, rebuilt), f);
+#else
+  return f;
+#endif
+}
+
+// Elements [i, i + kN) of a float-typed row. Precondition: i + kN <= row length.
+template <DType T>
+HWY_INLINE VF LoadFloat(DF df, const void* row, int64_t i) {
+  if constexpr (T == DType::kF32) {
+    return hn::LoadU(df, static_cast<const float*>(row) + i);
+  } else if constexpr (T == DType::kF16) {
+    const hn::Rebind<hwy::float16_t, DF> dh;
+    return PromoteF16(df, hn::LoadU(dh, static_cast<const hwy::float16_t*>(row) + i));
+  } else {
+    const hn::Rebind<hwy::bfloat16_t, DF> db;
+    return hn::PromoteTo(df, hn::LoadU(db, static_cast<const hwy::bfloat16_t*>(row) + i));
+  }
+}
+
+// The last n < kN elements starting at i, zero-filled, without reading past the row.
+template <DType T>
+HWY_INLINE VF LoadFloatTail(DF df, const void* row, int64_t i, int64_t n) {
+  HWY_ALIGN float buf[kN] = {};
+  for (int64_t t = 0; t < n; ++t) buf[t] = LoadAsF32(row, T, i + t);
+  return hn::Load(df, buf);
+}
+
+// Codes of elements [i, i + kN) of a quantized row as f32 (not yet scaled). i % kN == 0.
+template <DType T>
+HWY_INLINE VF LoadCodes(DF df, const void* row, int64_t i) {
+  const hn::Rebind<int32_t, DF> di;
+  const int64_t blk = i / 32;
+  const int64_t w = i % 32;
+  if constexpr (T == DType::kQ8_0) {
+    const char* b = static_cast<const char*>(row) + blk * sizeof(BlockQ8_0);
+    const hn::Rebind<int8_t, DF> d8;
+    return hn::ConvertTo(df, hn::PromoteTo(di, hn::LoadU(d8, Q8Codes(b) + w)));
+  } else {
+    const char* b = static_cast<const char*>(row) + blk * sizeof(BlockQ4_0);
+    const hn::Rebind<uint8_t, DF> du8;
+    const hn::Rebind<uint32_t, DF> du;
+    const auto bytes = hn::PromoteTo(du, hn::LoadU(du8, Q4Codes(b) + (w & 15)));
+    const auto nib = w < 16 ? hn::And(bytes, hn::Set(du, 15u)) : hn::ShiftRight<4>(bytes);
+    return hn::ConvertTo(df, hn::Sub(hn::BitCast(di, nib), hn::Set(di, 8)));
+  }
+}
+
+template <DType T>
+HWY_INLINE float BlockScale(const void* row, int64_t blk) {
+  uint16_t bits;
+  std::memcpy(&bits, static_cast<const char*>(row) + static_cast<size_t>(blk) * BlockBytes(T), 2);
+#if HWY_TARGET == HWY_SCALAR
+  return attn::F16ScaleToF32(bits);
+#else
+  // One vector f16 -> f32 conversion (F16C on AVX2/AVX-512; PromoteF16 is exact) instead of the
+  // branchy bit arithmetic: the K loop converts one scale per row and block.
+  const hn::CappedTag<float, 1> d1;
+  const hn::Rebind<uint16_t, decltype(d1)> du1;
+  const hn::Rebind<hwy::float16_t, decltype(d1)> dh1;
+  return hn::GetLane(PromoteF16(d1, hn::BitCast(dh1, hn::Set(du1, bits))));
+#endif
+}
+
+}  // namespace HWY_NAMESPACE
+}  // namespace kv::kernels
+HWY_AFTER_NAMESPACE();
+
+#endif  // KVCACHE_KERNELS_ATTENTION_LOAD_INL_H_
