@@ -42,11 +42,11 @@ struct Ctx {
 
 inline int64_t PartialStride(const Ctx& c) { return c.Dvp + kRowPad; }
 
-// One 64-byte-aligned float buffer per thread, grown to the largest size asked for.
-// Per-thread scratch that only grows. Growth is geometric with a 256 KiB floor: the visible-span
-// table needs B * (L / 2 + 1) entries, so growing to the exact size reallocated on every other
-// decode step as the history lengthened. With the floor a single decoding sequence never
-// reallocates below ~128K cells, and beyond that it reallocates O(log L) times.
+// One 64-byte-aligned float buffer per thread (three: `which`) that only grows. Growth is geometric
+// with a 256 KiB floor: the visible-span table needs B * (L / 2 + 1) entries, so growing to the
+// exact size reallocated on every other decode step as the history lengthened. With the floor a
+// single decoding sequence never reallocates below ~128K cells, and beyond that it reallocates
+// O(log L) times.
 inline float* ThreadScratch(size_t floats, int which) {
   constexpr size_t kMinFloats = size_t{1} << 16;
   thread_local hwy::AlignedFreeUniquePtr<float[]> buf[3];
@@ -75,15 +75,6 @@ void ForEachVisibleSpan(int64_t L, const Masked& masked, const Emit& emit) {
     while (j < L && !masked(j)) ++j;
     emit(s0, j);
   }
-}
-
-// f16 scale of a quantized block to f32: exact for zero, subnormal and normal values (the bits are
-// placed as an f32 with the exponent rebias done by one multiply); inf/NaN take the slow path.
-inline float F16ScaleToF32(uint16_t h) {
-  if ((h & 0x7C00u) == 0x7C00u) return F16ToF32(h);
-  const uint32_t bits =
-      (static_cast<uint32_t>(h & 0x8000u) << 16) | (static_cast<uint32_t>(h & 0x7FFFu) << 13);
-  return F32FromBits(bits) * 0x1p112f;
 }
 
 // Calls run.template operator()<T, kPermV>() with the call's K/V storage type and V layout, so

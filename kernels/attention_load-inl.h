@@ -13,6 +13,7 @@
 
 #include "hwy/highway.h"
 #include "kernels/attention_internal.h"
+#include "kernels/f16-inl.h"
 
 HWY_BEFORE_NAMESPACE();
 namespace kv::kernels {
@@ -26,22 +27,15 @@ static_assert(32 % kN == 0, "a vector never straddles a quantized block");
 
 // ---- loading a run of elements of one row as f32 ----------------------------------------------
 
-// f16 -> f32, exact for every input. Targets without F16C get Highway 1.0.3's software conversion,
-// which reads exponent 31 as 2^16 * (1 + m / 1024); those lanes (inf, NaN) are rebuilt here.
+// f16 -> f32, exact for every input: F16C where the CPU has it, else F16BitsToF32 (Highway
+// 1.0.3's emulation reads inf/NaN as finite; kernels/f16-inl.h).
 template <class D, class VH>
 HWY_INLINE hn::Vec<D> PromoteF16(D df, VH h) {
-  const hn::Vec<D> f = hn::PromoteTo(df, h);
 #if HWY_TARGET >= HWY_SSE4 || defined(HWY_DISABLE_F16C)
-  const hn::RebindToUnsigned<D> du;
   const hn::Rebind<uint16_t, D> du16;
-  const auto bits = hn::PromoteTo(du, hn::BitCast(du16, h));
-  const auto special = hn::Eq(hn::And(bits, hn::Set(du, 0x7C00u)), hn::Set(du, 0x7C00u));
-  const auto rebuilt = hn::Or(
-      hn::ShiftLeft<16>(hn::And(bits, hn::Set(du, 0x8000u))),
-      hn::Or(hn::Set(du, 0x7F800000u), hn::ShiftLeft<13>(hn::And(bits, hn::Set(du, 0x3FFu)))));
-  return hn::IfThenElse(hn::RebindMask(df, special), hn::BitCast(df, rebuilt), f);
+  return F16BitsToF32(df, hn::PromoteTo(hn::RebindToUnsigned<D>(), hn::BitCast(du16, h)));
 #else
-  return f;
+  return hn::PromoteTo(df, h);
 #endif
 }
 
@@ -92,7 +86,7 @@ HWY_INLINE float BlockScale(const void* row, int64_t blk) {
   uint16_t bits;
   std::memcpy(&bits, static_cast<const char*>(row) + static_cast<size_t>(blk) * BlockBytes(T), 2);
 #if HWY_TARGET == HWY_SCALAR
-  return attn::F16ScaleToF32(bits);
+  return F16ToF32(bits);  // layouts/dtype.h, exact
 #else
   // One vector f16 -> f32 conversion (F16C on AVX2/AVX-512; PromoteF16 is exact) instead of the
   // branchy bit arithmetic: the K loop converts one scale per row and block.

@@ -7,7 +7,8 @@
 //   SCALAR have no F16C and Highway 1.0.3's software DemoteTo truncates and mishandles inf/NaN, so
 //   those targets use F16FromF32Soft below (integer ops plus one exact f32 add for subnormals).
 // - f16 -> f32: F16C's VCVTPH2PS quiets signaling NaNs while F16ToF32 keeps them, so every target
-//   uses the integer expansion F16ToF32Soft (exact: subnormals are mant * 2^-24).
+//   uses the integer expansion F16BitsToF32 (kernels/f16-inl.h; exact: subnormals are mant *
+//   2^-24).
 // - bf16: round to nearest even with integer ops (Highway 1.0.3's DemoteTo truncates).
 // - q8_0 / q4_0: the same f32 operations as layouts/quant.h in the same order. The product x * id
 //   goes through KeepRounded() (kernels/fp_barrier-inl.h) so that the compiler cannot contract it
@@ -28,6 +29,7 @@
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
 #include "hwy/highway.h"
 #include "kernels/convert.h"
+#include "kernels/f16-inl.h"
 #include "kernels/fp_barrier-inl.h"
 #include "layouts/quant.h"
 
@@ -42,25 +44,6 @@ using DI32 = hn::RebindToSigned<DF>;
 using DU16 = hn::Rebind<uint16_t, DF>;
 
 // ---- f16 / bf16 lane conversions -----------------------------------------------------------
-
-// f16 bits (zero-extended to u32 lanes) to f32, exactly as F16ToF32.
-HWY_INLINE hn::Vec<DF> F16ToF32Soft(hn::Vec<DU32> h) {
-  const DF df;
-  const DU32 du;
-  const DI32 di;
-  const auto sign = hn::ShiftLeft<16>(hn::And(h, hn::Set(du, 0x8000u)));
-  const auto a = hn::And(h, hn::Set(du, 0x7FFFu));
-  const auto shifted = hn::ShiftLeft<13>(a);
-  const auto normal = hn::Add(shifted, hn::Set(du, 0x38000000u));
-  const auto infnan = hn::Or(shifted, hn::Set(du, 0x7F800000u));
-  // Zero or subnormal: mant * 2^-24, exact in f32.
-  const auto sub = hn::BitCast(
-      du, hn::Mul(hn::ConvertTo(df, hn::BitCast(di, a)), hn::Set(df, 1.0f / 16777216.0f)));
-  const auto ai = hn::BitCast(di, a);
-  auto bits = hn::IfThenElse(hn::RebindMask(du, hn::Gt(ai, hn::Set(di, 0x7BFF))), infnan, normal);
-  bits = hn::IfThenElse(hn::RebindMask(du, hn::Lt(ai, hn::Set(di, 0x0400))), sub, bits);
-  return hn::BitCast(df, hn::Or(sign, bits));
-}
 
 // f32 to f16 bits in u32 lanes, exactly as F32ToF16 (round to nearest even, overflow to inf,
 // subnormals rounded, NaN -> sign | 0x7E00).
@@ -131,7 +114,7 @@ struct F16T {
   using T = uint16_t;
   static constexpr DType kDType = DType::kF16;
   static HWY_INLINE hn::Vec<DF> Load(const T* p) {
-    return F16ToF32Soft(hn::PromoteTo(DU32(), hn::LoadU(DU16(), p)));
+    return F16BitsToF32(DF(), hn::PromoteTo(DU32(), hn::LoadU(DU16(), p)));
   }
   static HWY_INLINE hn::Vec<DU16> Bits(hn::Vec<DF> v) {
 #if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX2
