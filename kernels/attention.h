@@ -48,7 +48,7 @@
 // compared variants alternating in one run): on the AMD EPYC of sessions 4-6, decode f16 at 32768
 // cells reaches 0.65-0.80 of the 1-thread read bandwidth (0.68-0.77 on 2 threads); q8_0
 // is 1.0-1.25x faster per call than f16 there, 1.1-1.45x with integer_v (head_dim 64 / 128). q8_0
-// is compute- bound: per 16 codes it spends a widen, a convert and a scale multiply on top of the
+// is compute-bound: per 16 codes it spends a widen, a convert and a scale multiply on top of the
 // FMAs of every head, and with the history in cache it is ~1.15x slower per cell than f16
 // (integer_v: ~1.05x). On the Intel Xeon of sessions 1-3 (half the bandwidth per core) f16 ran at
 // ~1.0 of the read bandwidth and q8_0 1.27-1.45x faster than f16. Prefill runs at ~0.4-0.66 of the
