@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Writes the initial seed corpora (fuzz/corpus/<fuzzer>/seed_*): deterministic pseudo-random
-programs, a few per cache kind / kernel / Highway target. Every byte string decodes to a valid
+programs, a few per cache kind / kernel / session source / Highway target. Every byte string decodes to a valid
 program (the readers pad with zeros), so random bytes with a fixed head are good seeds; libFuzzer
 grows the corpus from there. Re-run only to reset the seeds."""
 import os
@@ -36,6 +36,14 @@ def main():
     for i in range(16):
         body = [rng.randrange(256) for _ in range(rng.choice([50, 200, 800]))]
         write("fuzz_sequence_cache", f"seed_{i}", [i % 4, i % 7] + body)
+    # fuzz_session: byte 0 target, byte 1 source (0 causal family, 1 wrapper of SWA + causal,
+    # 2 growing / rotating, 3 encoder), then the shape, the fill, the damage and the repair flags.
+    # A separate generator so that adding these seeds left the streams above unchanged.
+    srng = random.Random(20261125)
+    for source in range(4):
+        for i in range(4):
+            body = [srng.randrange(256) for _ in range(srng.choice([40, 160, 600]))]
+            write("fuzz_session", f"seed_src{source}_{i}", [i % 4, source] + body)
 
 
 if __name__ == "__main__":
