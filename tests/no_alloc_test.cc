@@ -24,6 +24,7 @@
 #include <thread>
 #include <vector>
 
+#include "core/kvcache_c.h"
 #include "core/sequence_cache.h"
 #include "core/thread_pool.h"
 #include "decode_driver.h"
@@ -330,6 +331,86 @@ TEST(NoAllocation, SteadyStateDecodeWrapperAndSequenceCaches) {
   EXPECT_EQ(wrapper_allocs, 0);
   EXPECT_EQ(rotating_allocs, 0);
   EXPECT_EQ(growing_allocs, 0);
+}
+
+// The C API (core/kvcache_c.h) adds nothing on the decode path: a sliding-window q8_0 cache driven
+// by kvc_start_forward / kvc_put / kvc_get / kvc_attend_parallel on a 2-thread pool, warmed up as
+// above (a reserve pass, ordinary steps, and one decode-shaped Attend on each worker).
+TEST(NoAllocation, SteadyStateDecodeThroughTheCApi) {
+#if !KV_COUNT_ALLOCATIONS
+  GTEST_SKIP() << "sanitizer build: malloc belongs to the sanitizer";
+#endif
+  int64_t allocs = -1;
+  bool ok = true;
+  std::thread t([&] {
+    Driver d;
+    ThreadPool pool(2);
+    kvc_parallel_for pf;
+    pf.run = [](void* user, int64_t n, void (*task)(void*, int64_t), void* ctx) {
+      static_cast<ThreadPool*>(user)->Run(n, task, ctx);
+    };
+    pf.user = &pool;
+    pf.num_threads = pool.NumThreads();
+    kvc_cache* c = kvc_swa_new(16, nullptr);
+    ok &= kvc_init(c, KVC_Q8_0, 1, 256, d.max_batch) == KVC_OK;
+    std::vector<float> out(d.out.size());
+    auto view = [](const kvc_tensor& x) {
+      TensorView tv;
+      tv.data = x.data;
+      tv.dtype = static_cast<DType>(x.dtype);
+      std::memcpy(tv.ne, x.ne, sizeof(tv.ne));
+      std::memcpy(tv.nb, x.nb, sizeof(tv.nb));
+      return tv;
+    };
+    int32_t pos = 0;
+    auto step = [&](int n, bool reserve) {
+      for (int i = 0; i < n; ++i) {
+        d.pos[i] = pos + i;
+        d.seq[i] = 0;
+      }
+      ok &= kvc_start_forward(c, d.pos.data(), d.seq.data(), n, nullptr, 0, reserve) == KVC_OK;
+      const int64_t k_ne[3] = {d.dk, d.kv_heads, n}, v_ne[3] = {d.dv, d.kv_heads, n};
+      const int64_t q_ne[3] = {d.dk, n, d.q_heads}, o_ne[3] = {d.dv, n, d.q_heads};
+      const kvc_tensor k = kvc_make_tensor(d.k.data(), KVC_F32, 3, k_ne);
+      const kvc_tensor v = kvc_make_tensor(d.v.data(), KVC_F32, 3, v_ne);
+      const kvc_tensor q = kvc_make_tensor(d.q.data(), KVC_F32, 3, q_ne);
+      kvc_tensor o = kvc_make_tensor(out.data(), KVC_F32, 3, o_ne);
+      for (int l = 0; l < d.layers; ++l) {
+        kvc_set_layer(c, l);
+        ok &= kvc_put(c, &k, &v) == KVC_OK;
+        kvc_history h;
+        ok &= kvc_get(c, &h) == KVC_OK;
+        ok &= kvc_attend_parallel(&q, &h, nullptr, &o, &pf) == KVC_OK;
+        if (reserve) {  // size the decode scratch: this thread's, then each worker's
+          h.mask.ne[1] = 1;
+          const int64_t q1_ne[3] = {d.dk, 1, d.q_heads}, o1_ne[3] = {d.dv, 1, d.q_heads};
+          const kvc_tensor q1 = kvc_make_tensor(d.q.data(), KVC_F32, 3, q1_ne);
+          kvc_tensor o1 = kvc_make_tensor(out.data(), KVC_F32, 3, o1_ne);
+          ok &= kvc_attend(&q1, &h, nullptr, &o1, nullptr) == KVC_OK;
+          WorkerWarmup w;
+          w.barrier.n = pool.NumThreads();
+          w.hist = History{view(h.k), view(h.v), view(h.mask)};
+          w.q = view(q1);
+          std::vector<float> wout(static_cast<size_t>(pool.NumThreads()) * d.dv * d.q_heads);
+          w.out = MakeView(wout.data(), DType::kF32, {d.dv, 1, d.q_heads});
+          pool.Run(pool.NumThreads(), WarmWorker, &w);
+        }
+      }
+      if (!reserve) pos += n;
+    };
+    step(d.max_batch, true);
+    step(8, false);
+    for (int i = 0; i < 8; ++i) step(1, false);
+    g_allocations = 0;
+    g_counting = true;
+    for (int i = 0; i < 100; ++i) step(1, false);
+    g_counting = false;
+    allocs = g_allocations.load();
+    kvc_cache_free(c);
+  });
+  t.join();
+  EXPECT_TRUE(ok);
+  EXPECT_EQ(allocs, 0);
 }
 
 // Without the reserve pass, only ordinary decode steps as warm-up: the history grows by one cell a

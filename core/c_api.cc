@@ -1,0 +1,495 @@
+// The C API (core/kvcache_c.h) over the C++ one. Each handle owns its C++ object and remembers
+// which interface it has: the library is built without RTTI, so a handle cannot ask the object.
+// Nothing here allocates on the decode path: tensors and batches are converted by value, and the
+// per-thread error message is a fixed buffer.
+#include <cstring>
+#include <memory>
+#include <span>
+#include <utility>
+#include <vector>
+
+#include "core/attend.h"
+#include "core/cache.h"
+#include "core/kvcache_c.h"
+#include "core/persistence.h"
+#include "core/rope_shift.h"
+#include "core/sequence_cache.h"
+#include "core/status.h"
+#include "core/thread_pool.h"
+
+// The enums are the C++ ones, value for value.
+static_assert(KVC_F32 == static_cast<int>(kv::DType::kF32));
+static_assert(KVC_F16 == static_cast<int>(kv::DType::kF16));
+static_assert(KVC_BF16 == static_cast<int>(kv::DType::kBF16));
+static_assert(KVC_Q8_0 == static_cast<int>(kv::DType::kQ8_0));
+static_assert(KVC_Q4_0 == static_cast<int>(kv::DType::kQ4_0));
+static_assert(KVC_OK == static_cast<int>(kv::Code::kOk));
+static_assert(KVC_CACHE_FULL == static_cast<int>(kv::Code::kCacheFull));
+static_assert(KVC_NOT_SUPPORTED == static_cast<int>(kv::Code::kNotSupported));
+static_assert(KVC_INVALID_ARGUMENT == static_cast<int>(kv::Code::kInvalidArgument));
+static_assert(KVC_OUT_OF_MEMORY == static_cast<int>(kv::Code::kOutOfMemory));
+static_assert(KVC_CORRUPT == static_cast<int>(kv::Code::kCorrupt));
+static_assert(KVC_POS_MAX == kv::kPosMax);
+static_assert(sizeof(kvc_tensor::ne) == sizeof(kv::TensorView::ne));
+static_assert(sizeof(kvc_tensor::nb) == sizeof(kv::TensorView::nb));
+
+struct kvc_cache {
+  std::unique_ptr<kv::Cache> cache;
+  // The same object through its variant's interface, where it has one (else null).
+  kv::CausalCache* causal = nullptr;
+  kv::EncoderCache* encoder = nullptr;
+  kv::WrapperCache* wrapper = nullptr;
+};
+
+struct kvc_seq_cache {
+  std::unique_ptr<kv::SequenceCache> cache;
+};
+
+struct kvc_thread_pool {
+  explicit kvc_thread_pool(int threads) : pool(threads) {}
+  kv::ThreadPool pool;
+};
+
+namespace {
+
+thread_local char g_last_error[kv::Status::kMaxMessage] = "";
+
+void SetLastError(const char* message) {
+  std::strncpy(g_last_error, message, sizeof(g_last_error) - 1);
+  g_last_error[sizeof(g_last_error) - 1] = '\0';
+}
+
+// Converts a Status, recording its message when it failed.
+kvc_code Report(const kv::Status& s) {
+  if (!s.ok()) SetLastError(s.message());
+  return static_cast<kvc_code>(s.code());
+}
+
+kvc_code Fail(kvc_code code, const char* message) {
+  SetLastError(message);
+  return code;
+}
+
+kv::TensorView ToView(const kvc_tensor& t) {
+  kv::TensorView v;
+  v.data = t.data;
+  v.dtype = static_cast<kv::DType>(t.dtype);
+  std::memcpy(v.ne, t.ne, sizeof(v.ne));
+  std::memcpy(v.nb, t.nb, sizeof(v.nb));
+  return v;
+}
+
+kvc_tensor ToC(const kv::TensorView& v) {
+  kvc_tensor t;
+  t.data = v.data;
+  t.dtype = static_cast<kvc_dtype>(static_cast<int>(v.dtype));
+  std::memcpy(t.ne, v.ne, sizeof(t.ne));
+  std::memcpy(t.nb, v.nb, sizeof(t.nb));
+  return t;
+}
+
+kv::History ToHistory(const kvc_history& h) { return {ToView(h.k), ToView(h.v), ToView(h.mask)}; }
+
+// A C enum can hold any int: out-of-range dtypes become an invalid kv::DType (kv::DType holds a
+// uint8_t, so larger values are first mapped to 255) that the C++ calls reject with their own
+// message.
+kv::DType ToDType(kvc_dtype d) {
+  const int v = static_cast<int>(d);
+  return static_cast<kv::DType>(v >= 0 && v < 255 ? v : 255);
+}
+
+kv::ShiftFn ToShiftFn(const kvc_shift* shift) {
+  if (shift == nullptr) return nullptr;
+  if (shift->fn == nullptr) {
+    return kv::RopeShiftFn(shift->rope_base, shift->rope_freq_scale, shift->rope_dims,
+                           shift->rope_neox != 0);
+  }
+  const kvc_shift_fn fn = shift->fn;
+  void* user = shift->user;
+  return [fn, user](int layer, kv::TensorView key, std::span<const int32_t> delta) {
+    const kvc_code code =
+        fn(user, layer, ToC(key), delta.data(), static_cast<int64_t>(delta.size()));
+    if (code == KVC_OK) return kv::Status::Ok();
+    if (code < KVC_CACHE_FULL || code > KVC_CORRUPT) {
+      return kv::Status::Error(kv::Code::kInvalidArgument,
+                               "the shift callback returned an unknown code %d",
+                               static_cast<int>(code));
+    }
+    return kv::Status::Error(static_cast<kv::Code>(code), "the shift callback returned %s",
+                             kvc_code_name(code));
+  };
+}
+
+kvc_cache* WrapCausal(std::unique_ptr<kv::CausalCache> c) {
+  if (c == nullptr) return nullptr;
+  auto* h = new kvc_cache;
+  h->causal = c.get();
+  h->cache = std::move(c);
+  return h;
+}
+
+// Serializes with `save` into the caller's buffer (see kvc_save).
+template <class Save>
+kvc_code SaveInto(const Save& save, void* buf, size_t capacity, size_t* size) {
+  if (size == nullptr) return Fail(KVC_INVALID_ARGUMENT, "kvc_save: size is NULL");
+  std::vector<uint8_t> bytes;
+  const kv::Status s = save(&bytes);
+  if (!s.ok()) return Report(s);
+  *size = bytes.size();
+  if (buf == nullptr) return KVC_OK;
+  if (capacity < bytes.size()) {
+    return Fail(KVC_INVALID_ARGUMENT, "kvc_save: the buffer is smaller than the stream");
+  }
+  std::memcpy(buf, bytes.data(), bytes.size());
+  return KVC_OK;
+}
+
+}  // namespace
+
+extern "C" {
+
+const char* kvc_last_error(void) { return g_last_error; }
+
+const char* kvc_code_name(kvc_code code) {
+  if (code < KVC_OK || code > KVC_CORRUPT) return "unknown";
+  return kv::CodeName(static_cast<kv::Code>(code));
+}
+
+kvc_tensor kvc_make_tensor(void* data, kvc_dtype dtype, int dims, const int64_t* ne) {
+  kvc_tensor t;
+  std::memset(&t, 0, sizeof(t));
+  t.data = data;
+  t.dtype = dtype;
+  for (int i = 0; i < 4; ++i) t.ne[i] = 1;
+  for (int i = 0; i < dims && i < 4 && ne != nullptr; ++i) t.ne[i] = ne[i];
+  if (!kv::IsValidDType(ToDType(dtype))) return t;  // strides 0: every consumer rejects it
+  const kv::TensorView v = kv::MakeView(data, ToDType(dtype), {t.ne[0], t.ne[1], t.ne[2], t.ne[3]});
+  std::memcpy(t.nb, v.nb, sizeof(t.nb));
+  return t;
+}
+
+kvc_config kvc_config_default(void) {
+  const kv::CacheConfig d;
+  kvc_config c;
+  c.padding = d.padding;
+  c.permuted_v = d.permuted_v ? 1 : 0;
+  c.mask_dtype = static_cast<kvc_dtype>(d.mask_dtype);
+  c.window_inclusive = d.window_convention == kv::WindowConvention::kInclusive ? 1 : 0;
+  return c;
+}
+
+kvc_cache* kvc_causal_new(const kvc_shift* shift) {
+  return WrapCausal(kv::NewCausalCache(ToShiftFn(shift)));
+}
+kvc_cache* kvc_swa_new(int32_t window, const kvc_shift* shift) {
+  return WrapCausal(kv::NewSWACache(window, ToShiftFn(shift)));
+}
+kvc_cache* kvc_swa_mem_new(int32_t window, int32_t memory, const kvc_shift* shift) {
+  return WrapCausal(kv::NewSWAMemCache(window, memory, ToShiftFn(shift)));
+}
+kvc_cache* kvc_chunked_new(int32_t chunk, const kvc_shift* shift) {
+  return WrapCausal(kv::NewChunkedAttentionCache(chunk, ToShiftFn(shift)));
+}
+
+kvc_cache* kvc_encoder_new(void) {
+  std::unique_ptr<kv::EncoderCache> c = kv::NewEncoderCache();
+  if (c == nullptr) return nullptr;
+  auto* h = new kvc_cache;
+  h->encoder = c.get();
+  h->cache = std::move(c);
+  return h;
+}
+
+kvc_cache* kvc_wrapper_new(kvc_cache** children, int n) {
+  if (children == nullptr || n < 1) return nullptr;
+  for (int i = 0; i < n; ++i) {
+    if (children[i] == nullptr || children[i]->wrapper != nullptr) return nullptr;
+    for (int j = 0; j < i; ++j) {
+      if (children[j] == children[i]) return nullptr;
+    }
+  }
+  std::vector<std::unique_ptr<kv::Cache>> owned;
+  owned.reserve(static_cast<size_t>(n));
+  for (int i = 0; i < n; ++i) owned.push_back(std::move(children[i]->cache));
+  std::unique_ptr<kv::WrapperCache> w = kv::NewWrapperCache(std::move(owned));
+  for (int i = 0; i < n; ++i) delete children[i];
+  if (w == nullptr) return nullptr;  // not reached: the children were checked above
+  auto* h = new kvc_cache;
+  h->wrapper = w.get();
+  h->cache = std::move(w);
+  return h;
+}
+
+void kvc_cache_free(kvc_cache* cache) { delete cache; }
+
+kvc_code kvc_set_config(kvc_cache* cache, const kvc_config* config) {
+  if (cache == nullptr || config == nullptr) {
+    return Fail(KVC_INVALID_ARGUMENT, "kvc_set_config: NULL argument");
+  }
+  kv::CacheConfig c;
+  c.padding = config->padding;
+  c.permuted_v = config->permuted_v != 0;
+  c.mask_dtype = ToDType(config->mask_dtype);
+  c.window_convention = config->window_inclusive != 0 ? kv::WindowConvention::kInclusive
+                                                      : kv::WindowConvention::kOllama;
+  return Report(cache->cache->SetConfig(c));
+}
+
+kvc_code kvc_init(kvc_cache* cache, kvc_dtype dtype, int max_sequences, int capacity,
+                  int max_batch) {
+  if (cache == nullptr) return Fail(KVC_INVALID_ARGUMENT, "kvc_init: NULL cache");
+  return Report(cache->cache->Init(ToDType(dtype), max_sequences, capacity, max_batch));
+}
+
+kvc_code kvc_start_forward(kvc_cache* cache, const int32_t* positions, const int32_t* sequences,
+                           int32_t n, const int32_t* multimodal, int32_t n_multimodal,
+                           int reserve) {
+  if (cache == nullptr) return Fail(KVC_INVALID_ARGUMENT, "kvc_start_forward: NULL cache");
+  if (n < 0 || n_multimodal < 0 || (n > 0 && (positions == nullptr || sequences == nullptr)) ||
+      (n_multimodal > 0 && multimodal == nullptr)) {
+    return Fail(KVC_INVALID_ARGUMENT, "kvc_start_forward: negative count or NULL array");
+  }
+  kv::Batch batch;
+  batch.positions = std::span<const int32_t>(positions, static_cast<size_t>(n));
+  batch.sequences = std::span<const int32_t>(sequences, static_cast<size_t>(n));
+  batch.multimodal = std::span<const int32_t>(multimodal, static_cast<size_t>(n_multimodal));
+  return Report(cache->cache->StartForward(batch, reserve != 0));
+}
+
+void kvc_set_layer(kvc_cache* cache, int layer) {
+  if (cache != nullptr) cache->cache->SetLayer(layer);
+}
+
+kvc_code kvc_put(kvc_cache* cache, const kvc_tensor* key, const kvc_tensor* value) {
+  if (cache == nullptr || key == nullptr || value == nullptr) {
+    return Fail(KVC_INVALID_ARGUMENT, "kvc_put: NULL argument");
+  }
+  return Report(cache->cache->Put(ToView(*key), ToView(*value)));
+}
+
+kvc_code kvc_get(kvc_cache* cache, kvc_history* out) {
+  if (cache == nullptr || out == nullptr)
+    return Fail(KVC_INVALID_ARGUMENT, "kvc_get: NULL argument");
+  const kv::History h = cache->cache->Get();
+  out->k = ToC(h.k);
+  out->v = ToC(h.v);
+  out->mask = ToC(h.mask);
+  return KVC_OK;
+}
+
+kvc_code kvc_copy_prefix(kvc_cache* cache, int src_seq, int dst_seq, int32_t len) {
+  if (cache == nullptr) return Fail(KVC_INVALID_ARGUMENT, "kvc_copy_prefix: NULL cache");
+  return Report(cache->cache->CopyPrefix(src_seq, dst_seq, len));
+}
+
+int kvc_can_resume(const kvc_cache* cache, int seq, int32_t pos) {
+  return cache != nullptr && cache->cache->CanResume(seq, pos) ? 1 : 0;
+}
+
+kvc_code kvc_remove(kvc_cache* cache, int seq, int32_t begin, int32_t end) {
+  if (cache == nullptr) return Fail(KVC_INVALID_ARGUMENT, "kvc_remove: NULL cache");
+  return Report(cache->cache->Remove(seq, begin, end));
+}
+
+void kvc_close(kvc_cache* cache) {
+  if (cache != nullptr) cache->cache->Close();
+}
+
+kvc_code kvc_set_causal(kvc_cache* cache, const int32_t* except, int32_t n) {
+  if (cache == nullptr || n < 0 || (n > 0 && except == nullptr)) {
+    return Fail(KVC_INVALID_ARGUMENT, "kvc_set_causal: NULL cache, negative count or NULL array");
+  }
+  if (cache->causal == nullptr) {
+    return Fail(KVC_NOT_SUPPORTED, "kvc_set_causal: not a causal-family cache");
+  }
+  cache->causal->SetCausal(std::span<const int32_t>(except, static_cast<size_t>(n)));
+  return KVC_OK;
+}
+
+kvc_code kvc_set_layer_type(kvc_cache* cache, int type) {
+  if (cache == nullptr) return Fail(KVC_INVALID_ARGUMENT, "kvc_set_layer_type: NULL cache");
+  if (cache->wrapper == nullptr)
+    return Fail(KVC_NOT_SUPPORTED, "kvc_set_layer_type: not a wrapper");
+  cache->wrapper->SetLayerType(type);
+  return KVC_OK;
+}
+
+int kvc_encoder_cached(const kvc_cache* cache) {
+  if (cache == nullptr || cache->encoder == nullptr) return -1;
+  return cache->encoder->EncoderCached() ? 1 : 0;
+}
+
+kvc_code kvc_reserve_layers(kvc_cache* cache, int layers, int k_head_dim, int v_head_dim,
+                            int kv_heads) {
+  if (cache == nullptr) return Fail(KVC_INVALID_ARGUMENT, "kvc_reserve_layers: NULL cache");
+  if (cache->causal == nullptr) {
+    return Fail(KVC_NOT_SUPPORTED, "kvc_reserve_layers: not a causal-family cache");
+  }
+  return Report(cache->causal->ReserveLayers(layers, k_head_dim, v_head_dim, kv_heads));
+}
+
+size_t kvc_memory_bytes(const kvc_cache* cache) {
+  return cache != nullptr ? cache->cache->MemoryBytes() : 0;
+}
+
+kvc_code kvc_save(const kvc_cache* cache, int seq, void* buf, size_t capacity, size_t* size) {
+  if (cache == nullptr) return Fail(KVC_INVALID_ARGUMENT, "kvc_save: NULL cache");
+  return SaveInto(
+      [&](std::vector<uint8_t>* out) {
+        return cache->wrapper != nullptr ? kv::SaveCache(*cache->wrapper, out, seq)
+                                         : kv::SaveCache(*cache->cache, out, seq);
+      },
+      buf, capacity, size);
+}
+
+kvc_code kvc_load(kvc_cache* cache, const void* bytes, size_t size, int seq) {
+  if (cache == nullptr || (bytes == nullptr && size > 0)) {
+    return Fail(KVC_INVALID_ARGUMENT, "kvc_load: NULL argument");
+  }
+  const std::span<const uint8_t> in(static_cast<const uint8_t*>(bytes), size);
+  return Report(cache->wrapper != nullptr ? kv::LoadCache(in, cache->wrapper, seq)
+                                          : kv::LoadCache(in, cache->cache.get(), seq));
+}
+
+kvc_code kvc_save_file(const kvc_cache* cache, const char* path, int seq) {
+  if (cache == nullptr || path == nullptr) {
+    return Fail(KVC_INVALID_ARGUMENT, "kvc_save_file: NULL argument");
+  }
+  return Report(cache->wrapper != nullptr ? kv::SaveCacheFile(*cache->wrapper, path, seq)
+                                          : kv::SaveCacheFile(*cache->cache, path, seq));
+}
+
+kvc_code kvc_load_file(kvc_cache* cache, const char* path, int seq) {
+  if (cache == nullptr || path == nullptr) {
+    return Fail(KVC_INVALID_ARGUMENT, "kvc_load_file: NULL argument");
+  }
+  return Report(cache->wrapper != nullptr ? kv::LoadCacheFile(path, cache->wrapper, seq)
+                                          : kv::LoadCacheFile(path, cache->cache.get(), seq));
+}
+
+kvc_seq_cache* kvc_kv_cache_new(kvc_dtype dtype) {
+  std::unique_ptr<kv::SequenceCache> c = kv::NewKVCache(ToDType(dtype));
+  if (c == nullptr) return nullptr;
+  auto* h = new kvc_seq_cache;
+  h->cache = std::move(c);
+  return h;
+}
+
+kvc_seq_cache* kvc_rotating_cache_new(int max_size, int keep, kvc_dtype dtype) {
+  std::unique_ptr<kv::SequenceCache> c = kv::NewRotatingKVCache(max_size, keep, ToDType(dtype));
+  if (c == nullptr) return nullptr;
+  auto* h = new kvc_seq_cache;
+  h->cache = std::move(c);
+  return h;
+}
+
+void kvc_seq_cache_free(kvc_seq_cache* cache) { delete cache; }
+
+kvc_code kvc_seq_update(kvc_seq_cache* cache, const kvc_tensor* key, const kvc_tensor* value, int n,
+                        kvc_tensor* keys_out, kvc_tensor* values_out) {
+  if (cache == nullptr || key == nullptr || value == nullptr || keys_out == nullptr ||
+      values_out == nullptr) {
+    return Fail(KVC_INVALID_ARGUMENT, "kvc_seq_update: NULL argument");
+  }
+  kv::TensorView k, v;
+  const kv::Status s = cache->cache->Update(ToView(*key), ToView(*value), n, &k, &v);
+  if (!s.ok()) return Report(s);
+  *keys_out = ToC(k);
+  *values_out = ToC(v);
+  return KVC_OK;
+}
+
+int kvc_seq_offset(const kvc_seq_cache* cache) {
+  return cache != nullptr ? cache->cache->Offset() : 0;
+}
+int kvc_seq_len(const kvc_seq_cache* cache) { return cache != nullptr ? cache->cache->Len() : 0; }
+void kvc_seq_reset(kvc_seq_cache* cache) {
+  if (cache != nullptr) cache->cache->Reset();
+}
+
+kvc_code kvc_seq_save(const kvc_seq_cache* cache, void* buf, size_t capacity, size_t* size) {
+  if (cache == nullptr) return Fail(KVC_INVALID_ARGUMENT, "kvc_seq_save: NULL cache");
+  return SaveInto(
+      [&](std::vector<uint8_t>* out) { return kv::SaveSequenceCache(*cache->cache, out); }, buf,
+      capacity, size);
+}
+
+kvc_code kvc_seq_save_file(const kvc_seq_cache* cache, const char* path) {
+  if (cache == nullptr || path == nullptr) {
+    return Fail(KVC_INVALID_ARGUMENT, "kvc_seq_save_file: NULL argument");
+  }
+  return Report(kv::SaveSequenceCacheFile(*cache->cache, path));
+}
+
+kvc_code kvc_seq_load_file(kvc_seq_cache* cache, const char* path) {
+  if (cache == nullptr || path == nullptr) {
+    return Fail(KVC_INVALID_ARGUMENT, "kvc_seq_load_file: NULL argument");
+  }
+  return Report(kv::LoadSequenceCacheFile(path, cache->cache.get()));
+}
+
+kvc_code kvc_seq_load(kvc_seq_cache* cache, const void* bytes, size_t size) {
+  if (cache == nullptr || (bytes == nullptr && size > 0)) {
+    return Fail(KVC_INVALID_ARGUMENT, "kvc_seq_load: NULL argument");
+  }
+  return Report(kv::LoadSequenceCache(
+      std::span<const uint8_t>(static_cast<const uint8_t*>(bytes), size), cache->cache.get()));
+}
+
+kvc_attention_params kvc_attention_params_default(void) {
+  const kv::AttentionParams d;
+  kvc_attention_params p;
+  p.scale = d.scale;
+  p.softcap = d.softcap;
+  p.sinks = d.sinks;
+  p.integer_v = d.integer_v ? 1 : 0;
+  return p;
+}
+
+kvc_thread_pool* kvc_thread_pool_new(int threads) { return new kvc_thread_pool(threads); }
+void kvc_thread_pool_free(kvc_thread_pool* pool) { delete pool; }
+
+}  // extern "C"
+
+namespace {
+
+kv::AttentionParams ToParams(const kvc_attention_params* params) {
+  kv::AttentionParams p;
+  if (params != nullptr) {
+    p.scale = params->scale;
+    p.softcap = params->softcap;
+    p.sinks = params->sinks;
+    p.integer_v = params->integer_v != 0;
+  }
+  return p;
+}
+
+}  // namespace
+
+extern "C" {
+
+kvc_code kvc_attend(const kvc_tensor* q, const kvc_history* history,
+                    const kvc_attention_params* params, kvc_tensor* out, kvc_thread_pool* pool) {
+  if (q == nullptr || history == nullptr || out == nullptr) {
+    return Fail(KVC_INVALID_ARGUMENT, "kvc_attend: NULL argument");
+  }
+  kv::TensorView o = ToView(*out);
+  return Report(kv::Attend(ToView(*q), ToHistory(*history), ToParams(params), &o,
+                           pool != nullptr ? &pool->pool : nullptr));
+}
+
+kvc_code kvc_attend_parallel(const kvc_tensor* q, const kvc_history* history,
+                             const kvc_attention_params* params, kvc_tensor* out,
+                             const kvc_parallel_for* parallel) {
+  if (q == nullptr || history == nullptr || out == nullptr || parallel == nullptr) {
+    return Fail(KVC_INVALID_ARGUMENT, "kvc_attend_parallel: NULL argument");
+  }
+  kv::ParallelFor pf;
+  pf.run = parallel->run;
+  pf.user = parallel->user;
+  pf.num_threads = parallel->num_threads;
+  kv::TensorView o = ToView(*out);
+  return Report(kv::Attend(ToView(*q), ToHistory(*history), ToParams(params), &o, pf));
+}
+
+}  // extern "C"
