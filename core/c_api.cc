@@ -11,6 +11,7 @@
 #include "core/attend.h"
 #include "core/cache.h"
 #include "core/kvcache_c.h"
+#include "core/kvcache_c_interop.h"
 #include "core/persistence.h"
 #include "core/rope_shift.h"
 #include "core/sequence_cache.h"
@@ -30,8 +31,6 @@ static_assert(KVC_INVALID_ARGUMENT == static_cast<int>(kv::Code::kInvalidArgumen
 static_assert(KVC_OUT_OF_MEMORY == static_cast<int>(kv::Code::kOutOfMemory));
 static_assert(KVC_CORRUPT == static_cast<int>(kv::Code::kCorrupt));
 static_assert(KVC_POS_MAX == kv::kPosMax);
-static_assert(sizeof(kvc_tensor::ne) == sizeof(kv::TensorView::ne));
-static_assert(sizeof(kvc_tensor::nb) == sizeof(kv::TensorView::nb));
 
 struct kvc_cache {
   std::unique_ptr<kv::Cache> cache;
@@ -70,33 +69,10 @@ kvc_code Fail(kvc_code code, const char* message) {
   return code;
 }
 
-kv::TensorView ToView(const kvc_tensor& t) {
-  kv::TensorView v;
-  v.data = t.data;
-  v.dtype = static_cast<kv::DType>(t.dtype);
-  std::memcpy(v.ne, t.ne, sizeof(v.ne));
-  std::memcpy(v.nb, t.nb, sizeof(v.nb));
-  return v;
-}
-
-kvc_tensor ToC(const kv::TensorView& v) {
-  kvc_tensor t;
-  t.data = v.data;
-  t.dtype = static_cast<kvc_dtype>(static_cast<int>(v.dtype));
-  std::memcpy(t.ne, v.ne, sizeof(t.ne));
-  std::memcpy(t.nb, v.nb, sizeof(t.nb));
-  return t;
-}
-
-kv::History ToHistory(const kvc_history& h) { return {ToView(h.k), ToView(h.v), ToView(h.mask)}; }
-
-// A C enum can hold any int: out-of-range dtypes become an invalid kv::DType (kv::DType holds a
-// uint8_t, so larger values are first mapped to 255) that the C++ calls reject with their own
-// message.
-kv::DType ToDType(kvc_dtype d) {
-  const int v = static_cast<int>(d);
-  return static_cast<kv::DType>(v >= 0 && v < 255 ? v : 255);
-}
+using kv::DTypeFromC;
+using kv::HistoryFromC;
+using kv::ViewFromC;
+using kv::ViewToC;
 
 kv::ShiftFn ToShiftFn(const kvc_shift* shift) {
   if (shift == nullptr) return nullptr;
@@ -108,7 +84,7 @@ kv::ShiftFn ToShiftFn(const kvc_shift* shift) {
   void* user = shift->user;
   return [fn, user](int layer, kv::TensorView key, std::span<const int32_t> delta) {
     const kvc_code code =
-        fn(user, layer, ToC(key), delta.data(), static_cast<int64_t>(delta.size()));
+        fn(user, layer, ViewToC(key), delta.data(), static_cast<int64_t>(delta.size()));
     if (code == KVC_OK) return kv::Status::Ok();
     if (code < KVC_CACHE_FULL || code > KVC_CORRUPT) {
       return kv::Status::Error(kv::Code::kInvalidArgument,
@@ -162,8 +138,9 @@ kvc_tensor kvc_make_tensor(void* data, kvc_dtype dtype, int dims, const int64_t*
   t.dtype = dtype;
   for (int i = 0; i < 4; ++i) t.ne[i] = 1;
   for (int i = 0; i < dims && i < 4 && ne != nullptr; ++i) t.ne[i] = ne[i];
-  if (!kv::IsValidDType(ToDType(dtype))) return t;  // strides 0: every consumer rejects it
-  const kv::TensorView v = kv::MakeView(data, ToDType(dtype), {t.ne[0], t.ne[1], t.ne[2], t.ne[3]});
+  if (!kv::IsValidDType(DTypeFromC(dtype))) return t;  // strides 0: every consumer rejects it
+  const kv::TensorView v =
+      kv::MakeView(data, DTypeFromC(dtype), {t.ne[0], t.ne[1], t.ne[2], t.ne[3]});
   std::memcpy(t.nb, v.nb, sizeof(t.nb));
   return t;
 }
@@ -229,7 +206,7 @@ kvc_code kvc_set_config(kvc_cache* cache, const kvc_config* config) {
   kv::CacheConfig c;
   c.padding = config->padding;
   c.permuted_v = config->permuted_v != 0;
-  c.mask_dtype = ToDType(config->mask_dtype);
+  c.mask_dtype = DTypeFromC(config->mask_dtype);
   c.window_convention = config->window_inclusive != 0 ? kv::WindowConvention::kInclusive
                                                       : kv::WindowConvention::kOllama;
   return Report(cache->cache->SetConfig(c));
@@ -238,7 +215,7 @@ kvc_code kvc_set_config(kvc_cache* cache, const kvc_config* config) {
 kvc_code kvc_init(kvc_cache* cache, kvc_dtype dtype, int max_sequences, int capacity,
                   int max_batch) {
   if (cache == nullptr) return Fail(KVC_INVALID_ARGUMENT, "kvc_init: NULL cache");
-  return Report(cache->cache->Init(ToDType(dtype), max_sequences, capacity, max_batch));
+  return Report(cache->cache->Init(DTypeFromC(dtype), max_sequences, capacity, max_batch));
 }
 
 kvc_code kvc_start_forward(kvc_cache* cache, const int32_t* positions, const int32_t* sequences,
@@ -264,16 +241,13 @@ kvc_code kvc_put(kvc_cache* cache, const kvc_tensor* key, const kvc_tensor* valu
   if (cache == nullptr || key == nullptr || value == nullptr) {
     return Fail(KVC_INVALID_ARGUMENT, "kvc_put: NULL argument");
   }
-  return Report(cache->cache->Put(ToView(*key), ToView(*value)));
+  return Report(cache->cache->Put(ViewFromC(*key), ViewFromC(*value)));
 }
 
 kvc_code kvc_get(kvc_cache* cache, kvc_history* out) {
   if (cache == nullptr || out == nullptr)
     return Fail(KVC_INVALID_ARGUMENT, "kvc_get: NULL argument");
-  const kv::History h = cache->cache->Get();
-  out->k = ToC(h.k);
-  out->v = ToC(h.v);
-  out->mask = ToC(h.mask);
+  *out = kv::HistoryToC(cache->cache->Get());
   return KVC_OK;
 }
 
@@ -368,7 +342,7 @@ kvc_code kvc_load_file(kvc_cache* cache, const char* path, int seq) {
 }
 
 kvc_seq_cache* kvc_kv_cache_new(kvc_dtype dtype) {
-  std::unique_ptr<kv::SequenceCache> c = kv::NewKVCache(ToDType(dtype));
+  std::unique_ptr<kv::SequenceCache> c = kv::NewKVCache(DTypeFromC(dtype));
   if (c == nullptr) return nullptr;
   auto* h = new kvc_seq_cache;
   h->cache = std::move(c);
@@ -376,7 +350,7 @@ kvc_seq_cache* kvc_kv_cache_new(kvc_dtype dtype) {
 }
 
 kvc_seq_cache* kvc_rotating_cache_new(int max_size, int keep, kvc_dtype dtype) {
-  std::unique_ptr<kv::SequenceCache> c = kv::NewRotatingKVCache(max_size, keep, ToDType(dtype));
+  std::unique_ptr<kv::SequenceCache> c = kv::NewRotatingKVCache(max_size, keep, DTypeFromC(dtype));
   if (c == nullptr) return nullptr;
   auto* h = new kvc_seq_cache;
   h->cache = std::move(c);
@@ -392,10 +366,10 @@ kvc_code kvc_seq_update(kvc_seq_cache* cache, const kvc_tensor* key, const kvc_t
     return Fail(KVC_INVALID_ARGUMENT, "kvc_seq_update: NULL argument");
   }
   kv::TensorView k, v;
-  const kv::Status s = cache->cache->Update(ToView(*key), ToView(*value), n, &k, &v);
+  const kv::Status s = cache->cache->Update(ViewFromC(*key), ViewFromC(*value), n, &k, &v);
   if (!s.ok()) return Report(s);
-  *keys_out = ToC(k);
-  *values_out = ToC(v);
+  *keys_out = ViewToC(k);
+  *values_out = ViewToC(v);
   return KVC_OK;
 }
 
@@ -473,8 +447,8 @@ kvc_code kvc_attend(const kvc_tensor* q, const kvc_history* history,
   if (q == nullptr || history == nullptr || out == nullptr) {
     return Fail(KVC_INVALID_ARGUMENT, "kvc_attend: NULL argument");
   }
-  kv::TensorView o = ToView(*out);
-  return Report(kv::Attend(ToView(*q), ToHistory(*history), ToParams(params), &o,
+  kv::TensorView o = ViewFromC(*out);
+  return Report(kv::Attend(ViewFromC(*q), HistoryFromC(*history), ToParams(params), &o,
                            pool != nullptr ? &pool->pool : nullptr));
 }
 
@@ -488,8 +462,8 @@ kvc_code kvc_attend_parallel(const kvc_tensor* q, const kvc_history* history,
   pf.run = parallel->run;
   pf.user = parallel->user;
   pf.num_threads = parallel->num_threads;
-  kv::TensorView o = ToView(*out);
-  return Report(kv::Attend(ToView(*q), ToHistory(*history), ToParams(params), &o, pf));
+  kv::TensorView o = ViewFromC(*out);
+  return Report(kv::Attend(ViewFromC(*q), HistoryFromC(*history), ToParams(params), &o, pf));
 }
 
 }  // extern "C"

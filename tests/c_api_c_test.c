@@ -185,6 +185,18 @@ static kvc_code StrangeShift(void* user, int layer, kvc_tensor key, const int32_
   return (kvc_code)42;
 }
 
+/* A causal cache with `shift` holding positions 0..5 of sequence 0 (values 10..15). */
+static kvc_cache* NewCausalWithSixTokens(const kvc_shift* shift) {
+  const int32_t pos[6] = {0, 1, 2, 3, 4, 5}, seq[6] = {0, 0, 0, 0, 0, 0};
+  float vals[6] = {10, 11, 12, 13, 14, 15};
+  kvc_cache* c = kvc_causal_new(shift);
+  CHECK_OK(kvc_init(c, KVC_F32, 1, 16, 8));
+  CHECK_OK(Forward(c, pos, seq, 6));
+  kvc_set_layer(c, 0);
+  CHECK_OK(PutValues(c, vals, 6));
+  return c;
+}
+
 /* SEMANTICS.md section 8 through a C callback: later tokens move down, deltas reported. */
 static void TestRemoveShiftsThroughTheCallback(void) {
   ShiftLog log;
@@ -193,13 +205,7 @@ static void TestRemoveShiftsThroughTheCallback(void) {
   memset(&shift, 0, sizeof(shift));
   shift.fn = RecordShift;
   shift.user = &log;
-  kvc_cache* c = kvc_causal_new(&shift);
-  CHECK_OK(kvc_init(c, KVC_F32, 1, 16, 8));
-  const int32_t pos[6] = {0, 1, 2, 3, 4, 5}, seq[6] = {0, 0, 0, 0, 0, 0};
-  float vals[6] = {10, 11, 12, 13, 14, 15};
-  CHECK_OK(Forward(c, pos, seq, 6));
-  kvc_set_layer(c, 0);
-  CHECK_OK(PutValues(c, vals, 6));
+  kvc_cache* c = NewCausalWithSixTokens(&shift);
   CHECK_OK(kvc_remove(c, 0, 1, 3));
   CHECK(log.calls == 1);
   /* Cells 3, 4, 5 (positions 3..5) each move by -2; rows of cells that stay keep delta 0 or are
@@ -211,29 +217,19 @@ static void TestRemoveShiftsThroughTheCallback(void) {
 
   /* A failing callback: kvc_remove returns its code and nothing changes. */
   shift.fn = RefuseShift;
-  kvc_cache* r = kvc_causal_new(&shift);
-  CHECK_OK(kvc_init(r, KVC_F32, 1, 16, 8));
-  CHECK_OK(Forward(r, pos, seq, 6));
-  kvc_set_layer(r, 0);
-  CHECK_OK(PutValues(r, vals, 6));
+  kvc_cache* r = NewCausalWithSixTokens(&shift);
   CHECK(kvc_remove(r, 0, 1, 3) == KVC_NOT_SUPPORTED);
   CHECK(strstr(kvc_last_error(), "callback") != NULL);
   /* A code the library does not know: an invalid argument, said so. */
   shift.fn = StrangeShift;
-  kvc_cache* s = kvc_causal_new(&shift);
-  CHECK_OK(kvc_init(s, KVC_F32, 1, 16, 8));
-  CHECK_OK(Forward(s, pos, seq, 6));
-  kvc_set_layer(s, 0);
-  CHECK_OK(PutValues(s, vals, 6));
+  kvc_cache* s = NewCausalWithSixTokens(&shift);
   CHECK(kvc_remove(s, 0, 1, 3) == KVC_INVALID_ARGUMENT);
   CHECK(strstr(kvc_last_error(), "unknown code 42") != NULL);
   CHECK(strcmp(kvc_code_name((kvc_code)42), "unknown") == 0);
   kvc_cache_free(s);
 
   /* No shift at all: a remove that must shift is not supported. */
-  kvc_cache* n = kvc_causal_new(NULL);
-  CHECK_OK(kvc_init(n, KVC_F32, 1, 16, 8));
-  CHECK_OK(Forward(n, pos, seq, 6));
+  kvc_cache* n = NewCausalWithSixTokens(NULL);
   CHECK(kvc_remove(n, 0, 1, 3) == KVC_NOT_SUPPORTED);
   CHECK_OK(kvc_remove(n, 0, 4, KVC_POS_MAX)); /* to the end: no shift */
   CHECK(kvc_can_resume(n, 0, 4) == 1);

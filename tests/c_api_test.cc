@@ -7,6 +7,7 @@
 #include <random>
 #include <vector>
 
+#include "core/kvcache_c_interop.h"
 #include "gtest/gtest.h"
 #include "kvcache/kvcache.h"
 #include "kvcache/kvcache_c.h"
@@ -60,15 +61,6 @@ std::vector<uint8_t> RowBytesOf(const kv::TensorView& v) {
   return out;
 }
 
-kv::TensorView FromC(const kvc_tensor& t) {
-  kv::TensorView v;
-  v.data = t.data;
-  v.dtype = static_cast<kv::DType>(t.dtype);
-  std::memcpy(v.ne, t.ne, sizeof(v.ne));
-  std::memcpy(v.nb, t.nb, sizeof(v.nb));
-  return v;
-}
-
 std::vector<float> MaskOf(const kv::TensorView& m) {
   std::vector<float> out;
   for (int64_t i = 0; i < m.ne[1]; ++i) {
@@ -83,7 +75,7 @@ void ExpectSameHistory(kv::CausalCache& cpp, kvc_cache* c, int layer) {
   const kv::History a = cpp.Get();
   kvc_history hc;
   ASSERT_EQ(kvc_get(c, &hc), KVC_OK);
-  const kv::History b = {FromC(hc.k), FromC(hc.v), FromC(hc.mask)};
+  const kv::History b = kv::HistoryFromC(hc);
   for (int d = 0; d < 4; ++d) {
     EXPECT_EQ(a.k.ne[d], b.k.ne[d]);
     EXPECT_EQ(a.mask.ne[d], b.mask.ne[d]);
@@ -227,20 +219,12 @@ TEST(CApi, AttentionAndParallelForMatchTheCppApi) {
   const kv::TensorView qv = kv::MakeView(q.data(), kv::DType::kF32, {kD, 8, kHq});
   ASSERT_TRUE(kv::Attend(qv, h, p, &out).ok());
 
-  auto to_c = [](const kv::TensorView& t) {
-    kvc_tensor c;
-    c.data = t.data;
-    c.dtype = static_cast<kvc_dtype>(t.dtype);
-    std::memcpy(c.ne, t.ne, sizeof(c.ne));
-    std::memcpy(c.nb, t.nb, sizeof(c.nb));
-    return c;
-  };
-  const kvc_history hc = {to_c(h.k), to_c(h.v), to_c(h.mask)};
-  const kvc_tensor qc = to_c(qv);
+  const kvc_history hc = kv::HistoryToC(h);
+  const kvc_tensor qc = kv::ViewToC(qv);
   kvc_attention_params cp = kvc_attention_params_default();
   cp.softcap = 5.0f;
   cp.sinks = sinks.data();
-  kvc_tensor oc = to_c(kv::MakeView(got.data(), kv::DType::kF32, {kD, 8, kHq}));
+  kvc_tensor oc = kv::ViewToC(kv::MakeView(got.data(), kv::DType::kF32, {kD, 8, kHq}));
   ASSERT_EQ(kvc_attend(&qc, &hc, &cp, &oc, nullptr), KVC_OK);
   EXPECT_EQ(want, got);
 
@@ -255,7 +239,7 @@ TEST(CApi, AttentionAndParallelForMatchTheCppApi) {
   };
   pf.user = &counter;
   pf.num_threads = 2;
-  kvc_tensor opf = to_c(kv::MakeView(got_pf.data(), kv::DType::kF32, {kD, 8, kHq}));
+  kvc_tensor opf = kv::ViewToC(kv::MakeView(got_pf.data(), kv::DType::kF32, {kD, 8, kHq}));
   ASSERT_EQ(kvc_attend_parallel(&qc, &hc, &cp, &opf, &pf), KVC_OK);
   EXPECT_GT(counter.tasks, 0);
   for (size_t i = 0; i < want.size(); ++i) EXPECT_NEAR(want[i], got_pf[i], 1e-5f) << i;
@@ -287,8 +271,8 @@ TEST(CApi, SequenceCachesMatchTheCppApi) {
       ASSERT_EQ(ka.ne[1], kb.ne[1]);
       for (int64_t h = 0; h < 2; ++h) {
         for (int64_t t = 0; t < ka.ne[1]; ++t) {
-          EXPECT_EQ(0, std::memcmp(kv::RowPtr(ka, t, h), kv::RowPtr(FromC(kb), t, h), 32));
-          EXPECT_EQ(0, std::memcmp(kv::RowPtr(va, t, h), kv::RowPtr(FromC(vb), t, h), 32));
+          EXPECT_EQ(0, std::memcmp(kv::RowPtr(ka, t, h), kv::RowPtr(kv::ViewFromC(kb), t, h), 32));
+          EXPECT_EQ(0, std::memcmp(kv::RowPtr(va, t, h), kv::RowPtr(kv::ViewFromC(vb), t, h), 32));
         }
       }
       EXPECT_EQ(cpp->Offset(), kvc_seq_offset(c));

@@ -24,7 +24,7 @@
 #include <thread>
 #include <vector>
 
-#include "core/kvcache_c.h"
+#include "core/kvcache_c_interop.h"
 #include "core/sequence_cache.h"
 #include "core/thread_pool.h"
 #include "decode_driver.h"
@@ -354,14 +354,6 @@ TEST(NoAllocation, SteadyStateDecodeThroughTheCApi) {
     kvc_cache* c = kvc_swa_new(16, nullptr);
     ok &= kvc_init(c, KVC_Q8_0, 1, 256, d.max_batch) == KVC_OK;
     std::vector<float> out(d.out.size());
-    auto view = [](const kvc_tensor& x) {
-      TensorView tv;
-      tv.data = x.data;
-      tv.dtype = static_cast<DType>(x.dtype);
-      std::memcpy(tv.ne, x.ne, sizeof(tv.ne));
-      std::memcpy(tv.nb, x.nb, sizeof(tv.nb));
-      return tv;
-    };
     int32_t pos = 0;
     auto step = [&](int n, bool reserve) {
       for (int i = 0; i < n; ++i) {
@@ -389,8 +381,8 @@ TEST(NoAllocation, SteadyStateDecodeThroughTheCApi) {
           ok &= kvc_attend(&q1, &h, nullptr, &o1, nullptr) == KVC_OK;
           WorkerWarmup w;
           w.barrier.n = pool.NumThreads();
-          w.hist = History{view(h.k), view(h.v), view(h.mask)};
-          w.q = view(q1);
+          w.hist = HistoryFromC(h);
+          w.q = ViewFromC(q1);
           std::vector<float> wout(static_cast<size_t>(pool.NumThreads()) * d.dv * d.q_heads);
           w.out = MakeView(wout.data(), DType::kF32, {d.dv, 1, d.q_heads});
           pool.Run(pool.NumThreads(), WarmWorker, &w);
