@@ -592,6 +592,9 @@ Status CausalCacheImpl::Remove(int seq, int32_t begin, int32_t end) {
                            begin, end);
     }
   }
+  // Keys first, while the table still says which cells move: a ShiftFn that fails then leaves the
+  // cache as it was (ShiftKeys undoes the calls that had succeeded).
+  if (needs_shift) KV_RETURN_IF_ERROR(ShiftKeys(seq, begin, end, offset));
   for (int32_t c = table_.first_cell(seq); c <= table_.last_cell(seq); ++c) {
     if (!table_.Holds(c, seq)) continue;
     const int32_t p = table_.pos(c);
@@ -602,32 +605,60 @@ Status CausalCacheImpl::Remove(int seq, int32_t begin, int32_t end) {
     }
   }
   table_.Refresh(seq);
-  if (!needs_shift) return Status::Ok();
+  return Status::Ok();
+}
 
-  // Re-rotate the moved keys: walk seq's cell range in chunks of at most max_batch cells; within a
-  // chunk pass the span from the first to the last moved cell, delta 0 for cells in between that
-  // did not move. Moved cells are exactly those of seq now at pos >= begin.
-  const int32_t first = table_.first_cell(seq);
-  const int32_t last = table_.last_cell(seq);
-  for (int32_t start = first; start <= last; start += max_batch_) {
+// The ShiftFn calls of Remove(seq, begin, end), made before the table changes but exactly as they
+// would be after it (Ollama's order): seq's cell range once [begin, end) is dropped, walked in
+// chunks of max_batch cells; within a chunk the span from the first to the last moving cell (those
+// of seq at pos >= end), delta `offset` for those and 0 for cells in between. If call k fails,
+// calls k-1 .. 0 are made again with the opposite deltas, newest first, and call k's error is
+// returned: for an invertible ShiftFn (RoPE, in f32 up to rounding; exactly for a ShiftFn that
+// fails on its first call) nothing has changed.
+Status CausalCacheImpl::ShiftKeys(int seq, int32_t begin, int32_t end, int32_t offset) {
+  int32_t first = -1, last = -1;  // seq's cells that stay
+  for (int32_t c = table_.first_cell(seq); c <= table_.last_cell(seq); ++c) {
+    if (!table_.Holds(c, seq) || (table_.pos(c) >= begin && table_.pos(c) < end)) continue;
+    if (first < 0) first = c;
+    last = c;
+  }
+  if (first < 0) return Status::Ok();
+  // Fills shift_deltas_ for the chunk at `start` with `delta` on moving cells; returns [lo, hi]
+  // of the moving cells in it (lo = -1: none).
+  auto chunk_deltas = [&](int32_t start, int32_t delta, int32_t* lo, int32_t* hi) {
     const int32_t size = std::min(last - start + 1, max_batch_);
-    int32_t lo = -1, hi = -1;
+    *lo = *hi = -1;
     for (int32_t i = 0; i < size; ++i) {
       const int32_t c = start + i;
-      const bool moved = table_.Holds(c, seq) && table_.pos(c) >= begin;
-      shift_deltas_[i] = moved ? offset : 0;
+      const bool moved = table_.Holds(c, seq) && table_.pos(c) >= end;
+      shift_deltas_[i] = moved ? delta : 0;
       if (moved) {
-        if (lo < 0) lo = i;
-        hi = i;
+        if (*lo < 0) *lo = i;
+        *hi = i;
       }
     }
-    if (lo < 0) continue;
-    const std::span<const int32_t> deltas(shift_deltas_ + lo, hi - lo + 1);
-    for (int l = 0; l < static_cast<int>(layers_.size()); ++l) {
+  };
+  auto call = [&](int32_t start, int l, int32_t delta) {
+    int32_t lo, hi;
+    chunk_deltas(start, delta, &lo, &hi);
+    if (lo < 0) return Status::Ok();
+    const TensorView key =
+        CellBlockView(layers_[l].k_layout, layers_[l].k, start + lo, hi - lo + 1);
+    return shift_(l, key, std::span<const int32_t>(shift_deltas_ + lo, hi - lo + 1));
+  };
+  const int layers = static_cast<int>(layers_.size());
+  for (int32_t start = first; start <= last; start += max_batch_) {
+    for (int l = 0; l < layers; ++l) {
       if (!layers_[l].allocated) continue;
-      const TensorView key =
-          CellBlockView(layers_[l].k_layout, layers_[l].k, start + lo, hi - lo + 1);
-      KV_RETURN_IF_ERROR(shift_(l, key, deltas));
+      const Status s = call(start, l, offset);
+      if (s.ok()) continue;
+      // Undo, newest first: this chunk's earlier layers, then every layer of earlier chunks.
+      for (int32_t st = start; st >= first; st -= max_batch_) {
+        for (int ul = (st == start ? l : layers) - 1; ul >= 0; --ul) {
+          if (layers_[ul].allocated) (void)call(st, ul, -offset);
+        }
+      }
+      return s;
     }
   }
   return Status::Ok();

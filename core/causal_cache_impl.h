@@ -45,6 +45,8 @@ class CausalCacheImpl final : public CausalCache {
   Status CopyPrefix(int src_seq, int dst_seq, int32_t len) override;
   bool CanResume(int seq, int32_t pos) const override;
   Status Remove(int seq, int32_t begin, int32_t end) override;
+  // Remove's ShiftFn calls for the cells of seq at pos >= end (see the definition).
+  Status ShiftKeys(int seq, int32_t begin, int32_t end, int32_t offset);
   void Close() override;
   size_t MemoryBytes() const override;
 

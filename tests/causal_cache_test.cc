@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "cache_fingerprint.h"
 #include "core/arena.h"
 #include "core/cache.h"
 #include "gtest/gtest.h"
@@ -507,6 +508,66 @@ TEST(CausalRemove, ErrorsComeBeforeAnyChange) {
   EXPECT_TRUE(layers.empty());
   ASSERT_TRUE(Start(shared.get(), {4}, {0}).ok());
   EXPECT_EQ(MaskString(shared->Get()), "0 0 0 0 0");  // nothing was removed
+}
+
+// A ShiftFn that fails: Remove returns its error and the cache is as it was, whichever call
+// failed. The keys are re-rotated before the cell table changes; a failure after some calls
+// succeeded undoes them with the opposite deltas. The ShiftFn here adds the delta to element 0 of
+// each row (exactly invertible in f32), so "as it was" is checked byte for byte.
+TEST(CausalRemove, AFailingShiftFnChangesNothing) {
+  for (int fail_at_call : {0, 1, 2, 3, -1}) {  // -1: never fails
+    SCOPED_TRACE("fail_at_call " + std::to_string(fail_at_call));
+    int calls = 0;
+    std::vector<std::pair<int, std::vector<int32_t>>> seen;
+    auto cache = NewCausalCache([&](int l, TensorView key, std::span<const int32_t> delta) {
+      if (calls++ == fail_at_call) return Status::Error(Code::kInvalidArgument, "refused");
+      seen.push_back({l, std::vector<int32_t>(delta.begin(), delta.end())});
+      for (int64_t j = 0; j < key.ne[2]; ++j) {
+        for (int64_t h = 0; h < key.ne[1]; ++h) {
+          static_cast<float*>(RowPtr(key, h, j))[0] += static_cast<float>(delta[j]);
+        }
+      }
+      return Status::Ok();
+    });
+    // max_batch 4: positions 4..9 move by -2 and span two chunks of cells, times two layers.
+    ASSERT_TRUE(cache->Init(DType::kF32, 1, 16, 4).ok());
+    for (int32_t p0 = 0; p0 < 12; p0 += 4) {
+      ASSERT_TRUE(Start(cache.get(), {p0, p0 + 1, p0 + 2, p0 + 3}, {0, 0, 0, 0}).ok());
+      for (int l = 0; l < 2; ++l) {
+        cache->SetLayer(l);
+        ASSERT_TRUE(
+            PutValues(cache.get(), {100.0f + p0, 101.0f + p0, 102.0f + p0, 103.0f + p0}).ok());
+      }
+    }
+    const std::vector<uint8_t> before = testing::Fingerprint(*cache);
+    const Status s = cache->Remove(0, 2, 4);
+    if (fail_at_call < 0) {
+      ASSERT_TRUE(s.ok()) << s.message();
+      EXPECT_EQ(seen.size(), 4u);  // two chunks x two layers
+      EXPECT_NE(testing::Fingerprint(*cache), before);
+      cache->SetLayer(1);
+      ASSERT_TRUE(Start(cache.get(), {10}, {0}).ok());
+      // Cells 4..11 held positions 4..11; now 2..9 with element 0 moved by -2.
+      const std::vector<float> keys = HistoryKeys(cache->Get());
+      EXPECT_EQ(keys[4], 102.0f);
+      EXPECT_EQ(keys[11], 109.0f);
+    } else {
+      EXPECT_EQ(s.code(), Code::kInvalidArgument);
+      EXPECT_STREQ(s.message(), "refused");
+      EXPECT_EQ(testing::Fingerprint(*cache), before);
+      EXPECT_TRUE(cache->CheckConsistency().ok());
+      EXPECT_TRUE(cache->CanResume(0, 12));
+      // The calls made were undone in reverse order with the opposite deltas.
+      ASSERT_EQ(seen.size(), 2u * static_cast<size_t>(fail_at_call));
+      for (int i = 0; i < fail_at_call; ++i) {
+        const auto& done = seen[static_cast<size_t>(i)];
+        const auto& undo = seen[seen.size() - 1 - static_cast<size_t>(i)];
+        EXPECT_EQ(done.first, undo.first);
+        ASSERT_EQ(done.second.size(), undo.second.size());
+        for (size_t j = 0; j < done.second.size(); ++j) EXPECT_EQ(done.second[j], -undo.second[j]);
+      }
+    }
+  }
 }
 
 // ---- allocation failure at Init ----------------------------------------------------------------
