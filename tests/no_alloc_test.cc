@@ -251,6 +251,21 @@ TEST(NoAllocation, SteadyStateDecodeEveryKindDTypeAndThreadCount) {
   }
 }
 
+// step(n, reserve) runs one forward pass of n tokens. The warm-up of the top comment (a reserve
+// pass of max_batch tokens, a prefill of 8, warm_steps decode steps), then 100 decode steps under
+// the counter: returns the allocations they made.
+template <class Step>
+int64_t CountDecodeAllocations(const Step& step, int max_batch, int warm_steps) {
+  step(max_batch, true);
+  step(8, false);
+  for (int i = 0; i < warm_steps; ++i) step(1, false);
+  g_allocations = 0;
+  g_counting = true;
+  for (int i = 0; i < 100; ++i) step(1, false);
+  g_counting = false;
+  return g_allocations.load();
+}
+
 // The wrapper (SWA + causal, interleaved layers) and the rotating / growing sequence caches.
 TEST(NoAllocation, SteadyStateDecodeWrapperAndSequenceCaches) {
 #if !KV_COUNT_ALLOCATIONS
@@ -295,14 +310,7 @@ TEST(NoAllocation, SteadyStateDecodeWrapperAndSequenceCaches) {
       }
       if (!reserve) pos += n;
     };
-    step(d.max_batch, true);
-    step(8, false);
-    for (int i = 0; i < 4; ++i) step(1, false);
-    g_allocations = 0;
-    g_counting = true;
-    for (int i = 0; i < 100; ++i) step(1, false);
-    g_counting = false;
-    wrapper_allocs = g_allocations.load();
+    wrapper_allocs = CountDecodeAllocations(step, d.max_batch, 4);
 
     // Sequence caches: one token per Update after warm-up; the rotating cache wraps around
     // (max_size 64, slack 256; warm-up: long enough for the block to reach its full size and wrap),
@@ -390,14 +398,7 @@ TEST(NoAllocation, SteadyStateDecodeThroughTheCApi) {
       }
       if (!reserve) pos += n;
     };
-    step(d.max_batch, true);
-    step(8, false);
-    for (int i = 0; i < 8; ++i) step(1, false);
-    g_allocations = 0;
-    g_counting = true;
-    for (int i = 0; i < 100; ++i) step(1, false);
-    g_counting = false;
-    allocs = g_allocations.load();
+    allocs = CountDecodeAllocations(step, d.max_batch, 8);
     kvc_cache_free(c);
   });
   t.join();
