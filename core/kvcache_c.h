@@ -4,8 +4,11 @@
  *
  * It is a thin layer over the C++ API in <kvcache/kvcache.h>: the same caches, the same rules
  * (SEMANTICS.md), the same guarantees. Every call that can fail returns a kvc_code; KVC_OK is 0.
- * A failing call leaves the cache as it was, and kvc_last_error() then names what was wrong (a
- * message kept per thread, overwritten by the next failing call on that thread). No call
+ * A failing call leaves the cache as it was, with the C++ API's two documented limits (a wrapper's
+ * Remove stops at the first child that fails, SEMANTICS.md section 10; a shift callback that fails
+ * after earlier calls succeeded is undone by calling it again with the opposite deltas), and
+ * kvc_last_error() then names what was wrong (a message kept per thread, overwritten by the next
+ * failing call on that thread). No call
  * allocates in steady-state decode (kvc_start_forward, kvc_put, kvc_get, kvc_attend), as in C++.
  * Nothing here keeps global state besides that per-thread message.
  *
