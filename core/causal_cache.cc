@@ -638,24 +638,33 @@ Status CausalCacheImpl::ShiftKeys(int seq, int32_t begin, int32_t end, int32_t o
       }
     }
   };
-  auto call = [&](int32_t start, int l, int32_t delta) {
-    int32_t lo, hi;
-    chunk_deltas(start, delta, &lo, &hi);
-    if (lo < 0) return Status::Ok();
+  // One ShiftFn call: layer l's keys of cells [start + lo, start + hi], deltas as filled.
+  auto call = [&](int32_t start, int32_t lo, int32_t hi, int l) {
     const TensorView key =
         CellBlockView(layers_[l].k_layout, layers_[l].k, start + lo, hi - lo + 1);
     return shift_(l, key, std::span<const int32_t>(shift_deltas_ + lo, hi - lo + 1));
   };
   const int layers = static_cast<int>(layers_.size());
   for (int32_t start = first; start <= last; start += max_batch_) {
+    int32_t lo, hi;
+    chunk_deltas(start, offset, &lo, &hi);
+    if (lo < 0) continue;
     for (int l = 0; l < layers; ++l) {
       if (!layers_[l].allocated) continue;
-      const Status s = call(start, l, offset);
+      const Status s = call(start, lo, hi, l);
       if (s.ok()) continue;
-      // Undo, newest first: this chunk's earlier layers, then every layer of earlier chunks.
-      for (int32_t st = start; st >= first; st -= max_batch_) {
-        for (int ul = (st == start ? l : layers) - 1; ul >= 0; --ul) {
-          if (layers_[ul].allocated) (void)call(st, ul, -offset);
+      // Undo, newest first: this chunk's earlier layers (its deltas negated in place), then every
+      // layer of the earlier chunks.
+      for (int32_t i = lo; i <= hi; ++i) shift_deltas_[i] = -shift_deltas_[i];
+      for (int ul = l - 1; ul >= 0; --ul) {
+        if (layers_[ul].allocated) (void)call(start, lo, hi, ul);
+      }
+      for (int32_t st = start - max_batch_; st >= first; st -= max_batch_) {
+        int32_t ulo, uhi;
+        chunk_deltas(st, -offset, &ulo, &uhi);
+        if (ulo < 0) continue;
+        for (int ul = layers - 1; ul >= 0; --ul) {
+          if (layers_[ul].allocated) (void)call(st, ulo, uhi, ul);
         }
       }
       return s;
