@@ -110,12 +110,21 @@ struct Driver {
     return Step(cache, n, out_all);
   }
 
-  // A prefill of positions [from, from + n) of sequence s.
-  Status Prefill(CausalCache* cache, int32_t s, int32_t from, int n, float* out_all = nullptr) {
+  // Sets tokens i < n to positions [from, from + n) of sequence s; returns them as a Batch.
+  Batch SetRun(int32_t s, int32_t from, int n) {
     for (int i = 0; i < n; ++i) {
       seq[i] = s;
       pos[i] = from + i;
     }
+    Batch b;
+    b.positions = std::span<const int32_t>(pos.data(), n);
+    b.sequences = std::span<const int32_t>(seq.data(), n);
+    return b;
+  }
+
+  // A prefill of positions [from, from + n) of sequence s.
+  Status Prefill(CausalCache* cache, int32_t s, int32_t from, int n, float* out_all = nullptr) {
+    SetRun(s, from, n);
     return Step(cache, n, out_all);
   }
 };

@@ -179,14 +179,7 @@ int64_t MeasureDecodeOnThisThread(const CacheKind& kind, DType dtype, int thread
   ThreadPool* p = threads > 1 ? &pool : nullptr;
   std::vector<float> out(d.layers * d.out.size());
   if (reserve) {
-    for (int i = 0; i < d.max_batch; ++i) {
-      d.pos[i] = i;
-      d.seq[i] = 0;
-    }
-    Batch b;
-    b.positions = std::span<const int32_t>(d.pos.data(), d.max_batch);
-    b.sequences = std::span<const int32_t>(d.seq.data(), d.max_batch);
-    if (!cache->StartForward(b, true).ok()) return -1;
+    if (!cache->StartForward(d.SetRun(0, 0, d.max_batch), true).ok()) return -1;
     for (int l = 0; l < d.layers; ++l) {
       cache->SetLayer(l);
       if (!cache
@@ -283,14 +276,7 @@ TEST(NoAllocation, SteadyStateDecodeWrapperAndSequenceCaches) {
     std::vector<float> out(d.out.size());
     int32_t pos = 0;
     auto step = [&](int n, bool reserve) {
-      for (int i = 0; i < n; ++i) {
-        d.pos[i] = pos + i;
-        d.seq[i] = 0;
-      }
-      Batch b;
-      b.positions = std::span<const int32_t>(d.pos.data(), n);
-      b.sequences = std::span<const int32_t>(d.seq.data(), n);
-      ok &= w->StartForward(b, reserve).ok();
+      ok &= w->StartForward(d.SetRun(0, pos, n), reserve).ok();
       for (int l = 0; l < 4; ++l) {
         w->SetLayer(l);
         w->SetLayerType(l % 2);
@@ -364,10 +350,7 @@ TEST(NoAllocation, SteadyStateDecodeThroughTheCApi) {
     std::vector<float> out(d.out.size());
     int32_t pos = 0;
     auto step = [&](int n, bool reserve) {
-      for (int i = 0; i < n; ++i) {
-        d.pos[i] = pos + i;
-        d.seq[i] = 0;
-      }
+      d.SetRun(0, pos, n);
       ok &= kvc_start_forward(c, d.pos.data(), d.seq.data(), n, nullptr, 0, reserve) == KVC_OK;
       const int64_t k_ne[3] = {d.dk, d.kv_heads, n}, v_ne[3] = {d.dv, d.kv_heads, n};
       const int64_t q_ne[3] = {d.dk, n, d.q_heads}, o_ne[3] = {d.dv, n, d.q_heads};
