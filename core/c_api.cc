@@ -120,6 +120,17 @@ kvc_code SaveInto(const Save& save, void* buf, size_t capacity, size_t* size) {
   return KVC_OK;
 }
 
+kv::AttentionParams ToParams(const kvc_attention_params* params) {
+  kv::AttentionParams p;
+  if (params != nullptr) {
+    p.scale = params->scale;
+    p.softcap = params->softcap;
+    p.sinks = params->sinks;
+    p.integer_v = params->integer_v != 0;
+  }
+  return p;
+}
+
 }  // namespace
 
 extern "C" {
@@ -422,25 +433,6 @@ kvc_attention_params kvc_attention_params_default(void) {
 
 kvc_thread_pool* kvc_thread_pool_new(int threads) { return new kvc_thread_pool(threads); }
 void kvc_thread_pool_free(kvc_thread_pool* pool) { delete pool; }
-
-}  // extern "C"
-
-namespace {
-
-kv::AttentionParams ToParams(const kvc_attention_params* params) {
-  kv::AttentionParams p;
-  if (params != nullptr) {
-    p.scale = params->scale;
-    p.softcap = params->softcap;
-    p.sinks = params->sinks;
-    p.integer_v = params->integer_v != 0;
-  }
-  return p;
-}
-
-}  // namespace
-
-extern "C" {
 
 kvc_code kvc_attend(const kvc_tensor* q, const kvc_history* history,
                     const kvc_attention_params* params, kvc_tensor* out, kvc_thread_pool* pool) {
