@@ -2,6 +2,7 @@
 // which interface it has: the library is built without RTTI, so a handle cannot ask the object.
 // Nothing here allocates on the decode path: tensors and batches are converted by value, and the
 // per-thread error message is a fixed buffer.
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <span>
@@ -33,11 +34,15 @@ static_assert(KVC_CORRUPT == static_cast<int>(kv::Code::kCorrupt));
 static_assert(KVC_POS_MAX == kv::kPosMax);
 
 struct kvc_cache {
-  std::unique_ptr<kv::Cache> cache;
+  std::unique_ptr<kv::Cache> owned;  // null in a wrapper's child handle: the wrapper owns it
+  kv::Cache* cache = nullptr;
   // The same object through its variant's interface, where it has one (else null).
   kv::CausalCache* causal = nullptr;
   kv::EncoderCache* encoder = nullptr;
   kv::WrapperCache* wrapper = nullptr;
+  // A wrapper's handles of its children (kvc_wrapper_child), in child order.
+  std::vector<std::unique_ptr<kvc_cache>> children;
+  bool is_child = false;  // kvc_cache_free ignores it: its wrapper's handle frees it
 };
 
 struct kvc_seq_cache {
@@ -100,7 +105,8 @@ kvc_cache* WrapCausal(std::unique_ptr<kv::CausalCache> c) {
   if (c == nullptr) return nullptr;
   auto* h = new kvc_cache;
   h->causal = c.get();
-  h->cache = std::move(c);
+  h->cache = c.get();
+  h->owned = std::move(c);
   return h;
 }
 
@@ -179,36 +185,58 @@ kvc_cache* kvc_chunked_new(int32_t chunk, const kvc_shift* shift) {
   return WrapCausal(kv::NewChunkedAttentionCache(chunk, ToShiftFn(shift)));
 }
 
-kvc_cache* kvc_encoder_new(void) {
-  std::unique_ptr<kv::EncoderCache> c = kv::NewEncoderCache();
+kvc_cache* kvc_encoder_new(void) { return kvc_encoder_new_per_sequence(0); }
+
+kvc_cache* kvc_encoder_new_per_sequence(int per_sequence) {
+  kv::EncoderOptions options;
+  options.per_sequence = per_sequence != 0;
+  std::unique_ptr<kv::EncoderCache> c = kv::NewEncoderCache(options);
   if (c == nullptr) return nullptr;
   auto* h = new kvc_cache;
   h->encoder = c.get();
-  h->cache = std::move(c);
+  h->cache = c.get();
+  h->owned = std::move(c);
   return h;
 }
 
 kvc_cache* kvc_wrapper_new(kvc_cache** children, int n) {
   if (children == nullptr || n < 1) return nullptr;
   for (int i = 0; i < n; ++i) {
-    if (children[i] == nullptr || children[i]->wrapper != nullptr) return nullptr;
+    if (children[i] == nullptr || children[i]->wrapper != nullptr ||
+        children[i]->owned == nullptr) {
+      return nullptr;
+    }
     for (int j = 0; j < i; ++j) {
       if (children[j] == children[i]) return nullptr;
     }
   }
   std::vector<std::unique_ptr<kv::Cache>> owned;
   owned.reserve(static_cast<size_t>(n));
-  for (int i = 0; i < n; ++i) owned.push_back(std::move(children[i]->cache));
+  for (int i = 0; i < n; ++i) owned.push_back(std::move(children[i]->owned));
   std::unique_ptr<kv::WrapperCache> w = kv::NewWrapperCache(std::move(owned));
-  for (int i = 0; i < n; ++i) delete children[i];
-  if (w == nullptr) return nullptr;  // not reached: the children were checked above
+  if (w == nullptr) std::abort();  // cannot fail: n >= 1 children, each owning its cache
   auto* h = new kvc_cache;
   h->wrapper = w.get();
-  h->cache = std::move(w);
+  h->cache = w.get();
+  h->owned = std::move(w);
+  h->children.reserve(static_cast<size_t>(n));
+  for (int i = 0; i < n; ++i) {
+    children[i]->is_child = true;  // same object, now inside the wrapper
+    h->children.emplace_back(children[i]);
+  }
   return h;
 }
 
-void kvc_cache_free(kvc_cache* cache) { delete cache; }
+kvc_cache* kvc_wrapper_child(kvc_cache* wrapper, int i) {
+  if (wrapper == nullptr || i < 0 || static_cast<size_t>(i) >= wrapper->children.size()) {
+    return nullptr;
+  }
+  return wrapper->children[static_cast<size_t>(i)].get();
+}
+
+void kvc_cache_free(kvc_cache* cache) {
+  if (cache != nullptr && !cache->is_child) delete cache;
+}
 
 kvc_code kvc_set_config(kvc_cache* cache, const kvc_config* config) {
   if (cache == nullptr || config == nullptr) {
@@ -333,7 +361,7 @@ kvc_code kvc_load(kvc_cache* cache, const void* bytes, size_t size, int seq) {
   }
   const std::span<const uint8_t> in(static_cast<const uint8_t*>(bytes), size);
   return Report(cache->wrapper != nullptr ? kv::LoadCache(in, cache->wrapper, seq)
-                                          : kv::LoadCache(in, cache->cache.get(), seq));
+                                          : kv::LoadCache(in, cache->cache, seq));
 }
 
 kvc_code kvc_save_file(const kvc_cache* cache, const char* path, int seq) {
@@ -349,7 +377,7 @@ kvc_code kvc_load_file(kvc_cache* cache, const char* path, int seq) {
     return Fail(KVC_INVALID_ARGUMENT, "kvc_load_file: NULL argument");
   }
   return Report(cache->wrapper != nullptr ? kv::LoadCacheFile(path, cache->wrapper, seq)
-                                          : kv::LoadCacheFile(path, cache->cache.get(), seq));
+                                          : kv::LoadCacheFile(path, cache->cache, seq));
 }
 
 kvc_seq_cache* kvc_kv_cache_new(kvc_dtype dtype) {
@@ -459,3 +487,12 @@ kvc_code kvc_attend_parallel(const kvc_tensor* q, const kvc_history* history,
 }
 
 }  // extern "C"
+
+namespace kv {
+
+Cache* CacheFromC(kvc_cache* cache) { return cache != nullptr ? cache->cache : nullptr; }
+CausalCache* CausalFromC(kvc_cache* cache) { return cache != nullptr ? cache->causal : nullptr; }
+EncoderCache* EncoderFromC(kvc_cache* cache) { return cache != nullptr ? cache->encoder : nullptr; }
+WrapperCache* WrapperFromC(kvc_cache* cache) { return cache != nullptr ? cache->wrapper : nullptr; }
+
+}  // namespace kv

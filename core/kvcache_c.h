@@ -116,11 +116,19 @@ kvc_cache* kvc_causal_new(const kvc_shift* shift);
 kvc_cache* kvc_swa_new(int32_t window, const kvc_shift* shift);
 kvc_cache* kvc_swa_mem_new(int32_t window, int32_t memory, const kvc_shift* shift);
 kvc_cache* kvc_chunked_new(int32_t chunk, const kvc_shift* shift);
-kvc_cache* kvc_encoder_new(void);
-/* Combines n >= 1 caches, child i being layer type i. On success the wrapper owns the children:
- * their handles are freed and must not be used again. NULL (children untouched) when n < 1, a
- * child is NULL or a wrapper, or one appears twice. */
+kvc_cache* kvc_encoder_new(void); /* one encoder block for every sequence (as Ollama) */
+/* per_sequence != 0: one encoder block per sequence (kv::EncoderOptions::per_sequence); 0: as
+ * kvc_encoder_new. */
+kvc_cache* kvc_encoder_new_per_sequence(int per_sequence);
+/* Combines n >= 1 caches, child i being layer type i. On success the wrapper takes the children's
+ * handles: each stays valid as kvc_wrapper_child(wrapper, i) (for the calls of its kind, such as
+ * kvc_set_causal or kvc_reserve_layers on a causal child) until the wrapper is freed, which frees
+ * them; kvc_cache_free on a child handle does nothing. NULL (children untouched) when n < 1, a
+ * child is NULL, a wrapper or already a wrapper's child, or one appears twice. */
 kvc_cache* kvc_wrapper_new(kvc_cache** children, int n);
+/* Child i of a wrapper (the handle passed to kvc_wrapper_new); NULL when i is out of range or
+ * wrapper is not one. */
+kvc_cache* kvc_wrapper_child(kvc_cache* wrapper, int i);
 void kvc_cache_free(kvc_cache* cache);
 
 kvc_code kvc_set_config(kvc_cache* cache, const kvc_config* config); /* before kvc_init only */

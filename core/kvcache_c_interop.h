@@ -1,10 +1,12 @@
 // Conversions between the C API's plain structs (core/kvcache_c.h) and the C++ views, for C++ code
-// that uses both APIs (and for the C API's implementation). Field for field, no allocation.
+// that uses both APIs (and for the C API's implementation). Field for field, no allocation. Also
+// the C++ object behind a C cache handle.
 #ifndef KVCACHE_CORE_KVCACHE_C_INTEROP_H_
 #define KVCACHE_CORE_KVCACHE_C_INTEROP_H_
 
 #include <cstring>
 
+#include "core/cache.h"
 #include "core/kvcache_c.h"
 #include "core/types.h"
 #include "layouts/tensor_view.h"
@@ -44,6 +46,14 @@ inline History HistoryFromC(const kvc_history& h) {
 inline kvc_history HistoryToC(const History& h) {
   return {ViewToC(h.k), ViewToC(h.v), ViewToC(h.mask)};
 }
+
+// The C++ object behind a C handle, which keeps owning it (valid until the handle is freed):
+// C++ code handed a kvc_cache can use the C++ API on it. nullptr for a NULL handle, and from the
+// variant getters for a handle of another kind. Defined in core/c_api.cc.
+Cache* CacheFromC(kvc_cache* cache);
+CausalCache* CausalFromC(kvc_cache* cache);
+EncoderCache* EncoderFromC(kvc_cache* cache);
+WrapperCache* WrapperFromC(kvc_cache* cache);
 
 }  // namespace kv
 

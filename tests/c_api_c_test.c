@@ -435,6 +435,28 @@ static void TestWrapperAndEncoder(void) {
   }
   CHECK(kvc_set_causal(w, NULL, 0) == KVC_NOT_SUPPORTED);
   CHECK(kvc_memory_bytes(w) > 0);
+  /* The children's handles stay valid inside the wrapper, for the calls of their kind. */
+  CHECK(kvc_wrapper_child(w, 0) == children[0]);
+  CHECK(kvc_wrapper_child(w, 1) == children[1]);
+  CHECK(kvc_wrapper_child(w, 2) == NULL);
+  CHECK(kvc_wrapper_child(w, -1) == NULL);
+  CHECK(kvc_wrapper_child(children[1], 0) == NULL);
+  kvc_cache* rewrap[1] = {children[1]};
+  CHECK(kvc_wrapper_new(rewrap, 1) == NULL); /* already a wrapper's child */
+  kvc_cache_free(children[1]);               /* ignored: the wrapper frees it */
+  /* SetCausal on the causal child: batch row 2 (position 2) now sees positions 3..5 too. */
+  const int32_t except[1] = {2};
+  CHECK_OK(kvc_set_causal(children[1], except, 1));
+  CHECK_OK(kvc_set_layer_type(w, 1));
+  CHECK_OK(kvc_get(w, &h));
+  int row2 = 0;
+  for (int64_t j = 0; j < h.mask.ne[0]; ++j) row2 += Visible(&h, 2, j);
+  CHECK(row2 == 6);
+  CHECK_OK(kvc_get(children[1], &h)); /* the same history through the child */
+  row2 = 0;
+  for (int64_t j = 0; j < h.mask.ne[0]; ++j) row2 += Visible(&h, 2, j);
+  CHECK(row2 == 6);
+  CHECK(kvc_reserve_layers(children[1], 2, 1, 1, 1) == KVC_OK);
   kvc_cache_free(w);
 
   kvc_cache* e = kvc_encoder_new();
@@ -452,6 +474,20 @@ static void TestWrapperAndEncoder(void) {
   CHECK_OK(kvc_remove(e, 0, 3, KVC_POS_MAX));
   CHECK(kvc_encoder_cached(e) == 0);
   kvc_cache_free(e);
+
+  /* Per sequence: a batch mixing two sequences is refused; each sequence has its own block. */
+  kvc_cache* ps = kvc_encoder_new_per_sequence(1);
+  CHECK_OK(kvc_init(ps, KVC_F32, 2, 16, 4));
+  const int32_t two_pos[2] = {0, 0}, two_seq[2] = {0, 1};
+  CHECK(kvc_start_forward(ps, two_pos, two_seq, 2, NULL, 0, 0) == KVC_INVALID_ARGUMENT);
+  CHECK_OK(kvc_start_forward(ps, epos, eseq, 1, mm, 1, 0));
+  kvc_set_layer(ps, 0);
+  CHECK_OK(kvc_put(ps, &t, &t));
+  CHECK(kvc_encoder_cached(ps) == 1);
+  const int32_t seq1[1] = {1};
+  CHECK_OK(kvc_start_forward(ps, epos, seq1, 1, NULL, 0, 0));
+  CHECK(kvc_encoder_cached(ps) == 0); /* sequence 1 has none yet */
+  kvc_cache_free(ps);
 }
 
 int main(void) {

@@ -331,4 +331,38 @@ TEST(CApi, FilesRoundTripAndBadHandlesAreRejected) {
   kvc_cache_free(e);
 }
 
+TEST(CApi, HandlesExposeTheirCppObjects) {
+  kvc_cache* children[2] = {kvc_encoder_new_per_sequence(1), kvc_swa_new(2, nullptr)};
+  kv::EncoderCache* enc = kv::EncoderFromC(children[0]);
+  kv::CausalCache* swa = kv::CausalFromC(children[1]);
+  ASSERT_NE(enc, nullptr);
+  ASSERT_NE(swa, nullptr);
+  EXPECT_EQ(kv::CausalFromC(children[0]), nullptr);
+  EXPECT_EQ(kv::WrapperFromC(children[1]), nullptr);
+  EXPECT_EQ(kv::CacheFromC(nullptr), nullptr);
+  kvc_cache* w = kvc_wrapper_new(children, 2);
+  ASSERT_NE(w, nullptr);
+  kv::WrapperCache* wc = kv::WrapperFromC(w);
+  ASSERT_NE(wc, nullptr);
+  EXPECT_EQ(kv::CacheFromC(w), static_cast<kv::Cache*>(wc));
+  // The children are the wrapper's own objects, reachable through either API.
+  EXPECT_EQ(wc->Child(0), static_cast<kv::Cache*>(enc));
+  EXPECT_EQ(wc->Child(1), static_cast<kv::Cache*>(swa));
+  EXPECT_EQ(kv::CausalFromC(kvc_wrapper_child(w, 1)), swa);
+  ASSERT_EQ(kvc_init(w, KVC_F16, 1, 8, 2), KVC_OK);
+  const int32_t pos[2] = {0, 1}, seq[2] = {0, 0};
+  ASSERT_EQ(kvc_start_forward(w, pos, seq, 2, nullptr, 0, 0), KVC_OK);
+  float x[4] = {1, 2, 3, 4};
+  const int64_t ne[3] = {2, 1, 2};
+  const kvc_tensor t = kvc_make_tensor(x, KVC_F32, 3, ne);
+  ASSERT_EQ(kvc_set_layer_type(w, 1), KVC_OK);
+  kvc_set_layer(w, 0);
+  ASSERT_EQ(kvc_put(w, &t, &t), KVC_OK);
+  EXPECT_TRUE(swa->CanResume(0, 2));  // the tokens reached the child's C++ object
+  EXPECT_EQ(kv::LoadAsF32(kv::RowPtr(swa->Get().k, 0, 1), kv::DType::kF16, 0), 3.0f);
+  EXPECT_TRUE(swa->CheckConsistency().ok());
+  EXPECT_FALSE(enc->EncoderCached());
+  kvc_cache_free(w);
+}
+
 }  // namespace
