@@ -289,17 +289,24 @@ TEST(CApi, SequenceCachesMatchTheCppApi) {
   }
 }
 
+// Init (1 sequence, 8 cells, batch 2), one pass of positions 0 and 1 and a Put of `kv` (as K and
+// V, 2 tokens) into layer 0; layer_type >= 0 selects a wrapper's child first.
+void InitAndPutTwoTokens(kvc_cache* c, kvc_dtype dtype, int layer_type, const kvc_tensor& kv) {
+  ASSERT_EQ(kvc_init(c, dtype, 1, 8, 2), KVC_OK);
+  const int32_t pos[2] = {0, 1}, seq[2] = {0, 0};
+  ASSERT_EQ(kvc_start_forward(c, pos, seq, 2, nullptr, 0, 0), KVC_OK);
+  if (layer_type >= 0) ASSERT_EQ(kvc_set_layer_type(c, layer_type), KVC_OK);
+  kvc_set_layer(c, 0);
+  ASSERT_EQ(kvc_put(c, &kv, &kv), KVC_OK);
+}
+
 TEST(CApi, FilesRoundTripAndBadHandlesAreRejected) {
   const std::string path = ::testing::TempDir() + "kvc_c_api_test.kvc";
   kvc_cache* c = kvc_causal_new(nullptr);
-  ASSERT_EQ(kvc_init(c, KVC_F32, 1, 8, 2), KVC_OK);
-  const int32_t pos[2] = {0, 1}, seq[2] = {0, 0};
-  ASSERT_EQ(kvc_start_forward(c, pos, seq, 2, nullptr, 0, 0), KVC_OK);
   float x[4] = {1, 2, 3, 4};
   const int64_t ne[3] = {2, 1, 2};
   const kvc_tensor t = kvc_make_tensor(x, KVC_F32, 3, ne);
-  kvc_set_layer(c, 0);
-  ASSERT_EQ(kvc_put(c, &t, &t), KVC_OK);
+  InitAndPutTwoTokens(c, KVC_F32, -1, t);
   ASSERT_EQ(kvc_save_file(c, path.c_str(), -1), KVC_OK);
   kvc_cache* d = kvc_causal_new(nullptr);
   ASSERT_EQ(kvc_init(d, KVC_F32, 1, 8, 2), KVC_OK);
@@ -349,15 +356,9 @@ TEST(CApi, HandlesExposeTheirCppObjects) {
   EXPECT_EQ(wc->Child(0), static_cast<kv::Cache*>(enc));
   EXPECT_EQ(wc->Child(1), static_cast<kv::Cache*>(swa));
   EXPECT_EQ(kv::CausalFromC(kvc_wrapper_child(w, 1)), swa);
-  ASSERT_EQ(kvc_init(w, KVC_F16, 1, 8, 2), KVC_OK);
-  const int32_t pos[2] = {0, 1}, seq[2] = {0, 0};
-  ASSERT_EQ(kvc_start_forward(w, pos, seq, 2, nullptr, 0, 0), KVC_OK);
   float x[4] = {1, 2, 3, 4};
   const int64_t ne[3] = {2, 1, 2};
-  const kvc_tensor t = kvc_make_tensor(x, KVC_F32, 3, ne);
-  ASSERT_EQ(kvc_set_layer_type(w, 1), KVC_OK);
-  kvc_set_layer(w, 0);
-  ASSERT_EQ(kvc_put(w, &t, &t), KVC_OK);
+  InitAndPutTwoTokens(w, KVC_F16, 1, kvc_make_tensor(x, KVC_F32, 3, ne));
   EXPECT_TRUE(swa->CanResume(0, 2));  // the tokens reached the child's C++ object
   EXPECT_EQ(kv::LoadAsF32(kv::RowPtr(swa->Get().k, 0, 1), kv::DType::kF16, 0), 3.0f);
   EXPECT_TRUE(swa->CheckConsistency().ok());
