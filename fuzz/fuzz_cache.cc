@@ -8,7 +8,14 @@
 // a grid, CheckConsistency must pass, and a failing call must leave Get(), CanResume, NumCells and
 // EncoderCached exactly as they were. ShiftFn calls (layer and per-row deltas) must match too.
 //
-// Input layout: byte 0 kind, then kind parameters, then ops until the input runs out.
+// With bit 7 of the kind byte set, the same script runs through the C API (core/kvcache_c.h): the
+// caches are made with kvc_*_new (the ShiftFn is a C callback, the wrapper's causal child is
+// reached through kvc_wrapper_child), every call is its kvc_* function, Get and CanResume are read
+// through kvc_get / kvc_can_resume, a failing call must leave a message in kvc_last_error(), and a
+// few calls pass NULL arrays, which must be refused without a change.
+//
+// Input layout: byte 0 Highway target, byte 1 kind (bit 7: via the C API), then kind parameters,
+// then ops until the input runs out.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -17,6 +24,8 @@
 #include <vector>
 
 #include "core/cache.h"
+#include "core/kvcache_c.h"
+#include "core/kvcache_c_interop.h"
 #include "fuzz_common.h"
 #include "kernels/convert.h"
 #include "layouts/quant.h"
@@ -71,8 +80,7 @@ Result ToResult(const Status& s) {
              ResultName(model_r), kv::CodeName((status).code()), (status).message())
 
 // What a real Get() showed, flattened like ModelHistory.
-ModelHistory Observe(kv::Cache* cache) {
-  const kv::History h = cache->Get();
+ModelHistory Observe(const kv::History& h) {
   ModelHistory o;
   if (h.k.data != nullptr) {
     FUZZ_CHECK(h.v.data != nullptr, "Get: K without V");
@@ -170,9 +178,26 @@ struct Snapshot {
 
 const int32_t kSpecialPos[] = {-1, -7, 1000, 1 << 30, INT32_MAX - 1, INT32_MAX, INT32_MIN, 31};
 
+struct CHandleDeleter {
+  void operator()(kvc_cache* c) const { kvc_cache_free(c); }
+};
+
+// A cache as made by Setup: a C++ object, or (via the C API) a C handle that owns it.
+struct Made {
+  std::unique_ptr<kv::Cache> cpp;
+  kvc_cache* c = nullptr;
+};
+
 struct Harness {
   int kind = 0;
-  std::unique_ptr<kv::Cache> cache;
+  // Via the C API (input byte 1, bit 7): every call goes through core/kvcache_c.h on `handle`
+  // (and on the C handle of the causal cache for SetCausal / ReserveLayers); `cache`, `causal`,
+  // `encoder` and `wrapper` then point at the objects behind the handles, for the checks only.
+  bool via_c = false;
+  std::unique_ptr<kvc_cache, CHandleDeleter> handle;
+  kvc_cache* causal_handle = nullptr;
+  std::unique_ptr<kv::Cache> owned;
+  kv::Cache* cache = nullptr;
   kv::CausalCache* causal = nullptr;    // the (or the wrapper's second) causal-family cache
   kv::EncoderCache* encoder = nullptr;  // the (or the wrapper's first) encoder cache
   kv::WrapperCache* wrapper = nullptr;
@@ -210,56 +235,129 @@ struct Harness {
     };
   }
 
+  kv::ShiftFn cpp_shift_;  // what the C callback runs
+  static kvc_code CShift(void* user, int layer, kvc_tensor key, const int32_t* shift, int64_t n) {
+    auto* h = static_cast<Harness*>(user);
+    const Status s = h->cpp_shift_(layer, kv::ViewFromC(key),
+                                   std::span<const int32_t>(shift, static_cast<size_t>(n)));
+    return static_cast<kvc_code>(s.code());
+  }
+
+  // A C call's result as the Status the C++ call would give (its message from kvc_last_error).
+  static Status FromC(const char* call, kvc_code code) {
+    if (code == KVC_OK) return Status::Ok();
+    FUZZ_CHECK(kvc_last_error()[0] != '\0', "%s: code %d without a message", call, code);
+    return Status::Error(static_cast<Code>(code), "%s", kvc_last_error());
+  }
+
+  kv::History Get() {
+    if (!via_c) return cache->Get();
+    kvc_history h;
+    FUZZ_CHECK(kvc_get(handle.get(), &h) == KVC_OK, "kvc_get failed: %s", kvc_last_error());
+    return kv::HistoryFromC(h);
+  }
+  bool CanResume(int seq, int32_t p) {
+    return via_c ? kvc_can_resume(handle.get(), seq, p) == 1 : cache->CanResume(seq, p);
+  }
+
   // A causal-family cache of `family` 0..3 with its model.
-  std::unique_ptr<kv::CausalCache> MakeCausal(kvfuzz::Reader& r, int family) {
+  Made MakeCausal(kvfuzz::Reader& r, int family) {
     const int32_t window = r.OneIn(16) ? -1 : r.Int(0, 9);
     const int32_t memory = r.OneIn(16) ? -1 : r.Int(0, 12);
     const int32_t chunk = r.OneIn(16) ? -1 : r.Int(1, 6);
     const bool with_shift = !r.OneIn(4);
     kv::ShiftFn fn = with_shift ? MakeShiftFn() : nullptr;
+    if (via_c && with_shift) cpp_shift_ = fn;
+    kvc_shift cs = {};
+    cs.fn = CShift;
+    cs.user = this;
+    const kvc_shift* cshift = with_shift ? &cs : nullptr;
+    Made made;
     std::unique_ptr<kv::CausalCache> c;
     int32_t w = 0, m = 0, ch = 0;
     switch (family) {
       case 0:
-        c = kv::NewCausalCache(fn);
+        if (via_c)
+          made.c = kvc_causal_new(cshift);
+        else
+          c = kv::NewCausalCache(fn);
         break;
       case 1:
-        c = kv::NewSWACache(w = window, fn);
+        w = window;
+        if (via_c)
+          made.c = kvc_swa_new(window, cshift);
+        else
+          c = kv::NewSWACache(window, fn);
         break;
       case 2:
-        c = kv::NewSWAMemCache(w = window, m = memory, fn);
+        w = window;
+        m = memory;
+        if (via_c)
+          made.c = kvc_swa_mem_new(window, memory, cshift);
+        else
+          c = kv::NewSWAMemCache(window, memory, fn);
         break;
       default:
-        c = kv::NewChunkedAttentionCache(ch = chunk, fn);
+        ch = chunk;
+        if (via_c)
+          made.c = kvc_chunked_new(chunk, cshift);
+        else
+          c = kv::NewChunkedAttentionCache(chunk, fn);
         break;
     }
     models.push_back(std::make_unique<kvref::CausalCacheModel>(w, m, ch, with_shift));
     causal_model = static_cast<kvref::CausalCacheModel*>(models.back().get());
     causal_models.push_back(causal_model);
-    causal = c.get();
-    return c;
+    if (via_c) {
+      FUZZ_CHECK(made.c != nullptr, "kvc_*_new returned NULL");
+      causal = kv::CausalFromC(made.c);
+      causal_handle = made.c;
+    } else {
+      causal = c.get();
+      made.cpp = std::move(c);
+    }
+    return made;
   }
 
-  std::unique_ptr<kv::EncoderCache> MakeEncoder(bool per_sequence) {
-    kv::EncoderOptions o;
-    o.per_sequence = per_sequence;
-    auto e = kv::NewEncoderCache(o);
+  Made MakeEncoder(bool per_sequence) {
+    Made made;
+    if (via_c) {
+      made.c = kvc_encoder_new_per_sequence(per_sequence ? 1 : 0);
+      encoder = kv::EncoderFromC(made.c);
+    } else {
+      kv::EncoderOptions o;
+      o.per_sequence = per_sequence;
+      auto e = kv::NewEncoderCache(o);
+      encoder = e.get();
+      made.cpp = std::move(e);
+    }
     models.push_back(std::make_unique<kvref::EncoderCacheModel>(per_sequence));
     encoder_model = static_cast<kvref::EncoderCacheModel*>(models.back().get());
-    encoder = e.get();
-    return e;
+    return made;
+  }
+
+  void Adopt(Made made) {
+    if (via_c) {
+      handle.reset(made.c);
+      cache = kv::CacheFromC(made.c);
+    } else {
+      owned = std::move(made.cpp);
+      cache = owned.get();
+    }
   }
 
   void Setup(kvfuzz::Reader& r) {
-    kind = r.U8() % 6;
+    const uint8_t kind_byte = r.U8();
+    kind = (kind_byte & 0x7F) % 6;
+    via_c = (kind_byte & 0x80) != 0;
     if (kind < 4) {
-      cache = MakeCausal(r, kind);
+      Adopt(MakeCausal(r, kind));
       model = causal_model;
     } else if (kind == 4) {
-      cache = MakeEncoder(r.OneIn(2));
+      Adopt(MakeEncoder(r.OneIn(2)));
       model = encoder_model;
     } else {
-      std::vector<std::unique_ptr<kv::Cache>> children;
+      std::vector<Made> children;
       std::vector<kvref::CacheModel*> child_models;
       const int first = r.U8() % 4;
       if (first < 2) {
@@ -270,9 +368,22 @@ struct Harness {
       child_models.push_back(models.back().get());
       children.push_back(MakeCausal(r, r.OneIn(2) ? 0 : 2));  // SetCausal etc. go to this one
       child_models.push_back(models.back().get());
-      auto w = kv::NewWrapperCache(std::move(children));
-      wrapper = w.get();
-      cache = std::move(w);
+      if (via_c) {
+        kvc_cache* hs[2] = {children[0].c, children[1].c};
+        kvc_cache* w = kvc_wrapper_new(hs, 2);
+        FUZZ_CHECK(w != nullptr, "kvc_wrapper_new returned NULL");
+        FUZZ_CHECK(kvc_wrapper_child(w, 1) == hs[1], "kvc_wrapper_child(1) is not the child");
+        wrapper = kv::WrapperFromC(w);
+        handle.reset(w);
+        cache = wrapper;
+      } else {
+        std::vector<std::unique_ptr<kv::Cache>> owned_children;
+        for (Made& m : children) owned_children.push_back(std::move(m.cpp));
+        auto w = kv::NewWrapperCache(std::move(owned_children));
+        wrapper = w.get();
+        cache = w.get();
+        owned = std::move(w);
+      }
       models.push_back(std::make_unique<kvref::WrapperCacheModel>(child_models));
       wrapper_model = static_cast<kvref::WrapperCacheModel*>(models.back().get());
       model = wrapper_model;
@@ -281,10 +392,10 @@ struct Harness {
 
   Snapshot Take() {
     Snapshot s;
-    s.hist = Observe(cache.get());
+    s.hist = Observe(Get());
     for (int seq = -1; seq <= max_seq; ++seq) {
-      for (int32_t p : {0, 1, 2, 5, 9, 17, 40}) s.resume.push_back(cache->CanResume(seq, p));
-      if (seq >= 0 && seq < 8) s.resume.push_back(cache->CanResume(seq, next_pos[seq]));
+      for (int32_t p : {0, 1, 2, 5, 9, 17, 40}) s.resume.push_back(CanResume(seq, p));
+      if (seq >= 0 && seq < 8) s.resume.push_back(CanResume(seq, next_pos[seq]));
     }
     if (causal != nullptr) s.cells = causal->NumCells();
     if (encoder != nullptr) s.encoder_cached = encoder->EncoderCached();
@@ -304,12 +415,11 @@ struct Harness {
   // The checks after every call.
   void CheckAll() {
     const std::string when = std::string("after ") + op;
-    CompareHistory(model->Get(), Observe(cache.get()), when.c_str());
+    CompareHistory(model->Get(), Observe(Get()), when.c_str());
     for (int seq = -1; seq <= max_seq; ++seq) {
       for (int32_t p : {0, 1, 2, 5, 9, 17, 40}) {
-        FUZZ_CHECK(model->CanResume(seq, p) == cache->CanResume(seq, p),
-                   "%s: CanResume(%d, %d): model %d", when.c_str(), seq, p,
-                   model->CanResume(seq, p));
+        FUZZ_CHECK(model->CanResume(seq, p) == CanResume(seq, p), "%s: CanResume(%d, %d): model %d",
+                   when.c_str(), seq, p, model->CanResume(seq, p));
       }
     }
     if (causal != nullptr) {
@@ -345,7 +455,13 @@ struct Harness {
         c.inclusive_window ? kv::WindowConvention::kInclusive : kv::WindowConvention::kOllama;
     const Snapshot before = Take();
     const Result want = model->SetConfig(c);
-    const Status got = cache->SetConfig(cc);
+    kvc_config ccfg = kvc_config_default();
+    ccfg.padding = cc.padding;
+    ccfg.permuted_v = cc.permuted_v ? 1 : 0;
+    ccfg.mask_dtype = static_cast<kvc_dtype>(cc.mask_dtype);
+    ccfg.window_inclusive = c.inclusive_window ? 1 : 0;
+    const Status got =
+        via_c ? FromC(op, kvc_set_config(handle.get(), &ccfg)) : cache->SetConfig(cc);
     EXPECT_SAME_RESULT(op, want, got);
     if (want == Result::kOk) config = c;
     if (!got.ok() && wrapper == nullptr) ExpectUnchanged(before);
@@ -365,7 +481,9 @@ struct Harness {
     }
     const Snapshot before = Take();
     const Result want = model->Init(dtype, seqs, capacity, batch);
-    const Status got = cache->Init(dtype, seqs, capacity, batch);
+    const Status got = via_c ? FromC(op, kvc_init(handle.get(), static_cast<kvc_dtype>(dtype), seqs,
+                                                  capacity, batch))
+                             : cache->Init(dtype, seqs, capacity, batch);
     EXPECT_SAME_RESULT(op, want, got);
     if (got.ok()) {
       max_seq = seqs;
@@ -402,7 +520,7 @@ struct Harness {
       pos.push_back(p);
       seq.push_back(s);
     }
-    if ((shape >> 5) % 8 == 0) seq.push_back(0);  // sizes disagree
+    if ((shape >> 5) % 8 == 0 && !via_c) seq.push_back(0);  // sizes disagree (not in C)
     const int n_mm = (shape >> 6) % 3 == 0 ? r.Int(0, 2) : 0;
     for (int i = 0; i < n_mm; ++i) mm.push_back(r.Int(-1, b));
     const bool reserve = r.OneIn(8);
@@ -411,8 +529,19 @@ struct Harness {
     batch.sequences = seq;
     batch.multimodal = mm;
     const Snapshot before = Take();
+    if (via_c && !pos.empty() && r.OneIn(32)) {  // a NULL array: refused, nothing changes
+      FUZZ_CHECK(kvc_start_forward(handle.get(), nullptr, seq.data(), static_cast<int32_t>(b),
+                                   nullptr, 0, reserve) == KVC_INVALID_ARGUMENT,
+                 "kvc_start_forward with NULL positions accepted");
+      ExpectUnchanged(before);
+      return;
+    }
     const Result want = model->StartForward(pos, seq, mm, reserve);
-    const Status got = cache->StartForward(batch, reserve);
+    const Status got =
+        via_c ? FromC(op, kvc_start_forward(handle.get(), pos.data(), seq.data(),
+                                            static_cast<int32_t>(pos.size()), mm.data(),
+                                            static_cast<int32_t>(mm.size()), reserve ? 1 : 0))
+              : cache->StartForward(batch, reserve);
     EXPECT_SAME_RESULT(op, want, got);
     if (!got.ok() && wrapper == nullptr) ExpectUnchanged(before);
   }
@@ -421,7 +550,11 @@ struct Harness {
     op = "SetLayer";
     const int layer = r.OneIn(16) ? -1 : r.Int(0, 2);
     model->SetLayer(layer);
-    cache->SetLayer(layer);
+    if (via_c) {
+      kvc_set_layer(handle.get(), layer);
+    } else {
+      cache->SetLayer(layer);
+    }
   }
 
   void OpSetLayerType(kvfuzz::Reader& r) {
@@ -429,7 +562,12 @@ struct Harness {
     if (wrapper == nullptr) return;
     const int type = r.OneIn(16) ? r.Int(-1, 2) : r.Int(0, 1);
     wrapper_model->SetLayerType(type);
-    wrapper->SetLayerType(type);
+    if (via_c) {
+      FUZZ_CHECK(kvc_set_layer_type(handle.get(), type) == KVC_OK, "kvc_set_layer_type: %s",
+                 kvc_last_error());
+    } else {
+      wrapper->SetLayerType(type);
+    }
   }
 
   // A fuzzed input tensor (dims, dtype, strides with garbage in the gaps) and its model.
@@ -492,8 +630,16 @@ struct Harness {
     Input k = MakeInput(r, b, heads, enc);
     Input v = MakeInput(r, b, r.OneIn(16) ? heads + 1 : heads, enc);
     const Snapshot before = Take();
+    const kvc_tensor kc = kv::ViewToC(k.view), vc = kv::ViewToC(v.view);
+    if (via_c && r.OneIn(32)) {  // a NULL tensor: refused, nothing changes
+      FUZZ_CHECK(kvc_put(handle.get(), &kc, nullptr) == KVC_INVALID_ARGUMENT,
+                 "kvc_put with a NULL value accepted");
+      ExpectUnchanged(before);
+      return;
+    }
     const Result want = model->Put(k.m, v.m);
-    const Status got = cache->Put(k.view, v.view);
+    const Status got =
+        via_c ? FromC(op, kvc_put(handle.get(), &kc, &vc)) : cache->Put(k.view, v.view);
     EXPECT_SAME_RESULT(op, want, got);
     if (!got.ok()) ExpectUnchanged(before);
   }
@@ -505,7 +651,13 @@ struct Harness {
     const int n = r.Int(0, 4);
     for (int i = 0; i < n; ++i) except.push_back(r.Int(-1, max_batch));
     causal_model->SetCausal(except);
-    causal->SetCausal(except);
+    if (via_c) {
+      FUZZ_CHECK(kvc_set_causal(causal_handle, except.data(),
+                                static_cast<int32_t>(except.size())) == KVC_OK,
+                 "kvc_set_causal: %s", kvc_last_error());
+    } else {
+      causal->SetCausal(except);
+    }
   }
 
   void OpReserveLayers(kvfuzz::Reader& r) {
@@ -517,7 +669,8 @@ struct Harness {
     const int heads = r.Int(0, 3);
     const Snapshot before = Take();
     const Result want = causal_model->ReserveLayers(layers, kd, vd, heads);
-    const Status got = causal->ReserveLayers(layers, kd, vd, heads);
+    const Status got = via_c ? FromC(op, kvc_reserve_layers(causal_handle, layers, kd, vd, heads))
+                             : causal->ReserveLayers(layers, kd, vd, heads);
     EXPECT_SAME_RESULT(op, want, got);
     if (!got.ok()) ExpectUnchanged(before);
   }
@@ -530,7 +683,8 @@ struct Harness {
     const int32_t len = FuzzPos(r);
     const Snapshot before = Take();
     const Result want = model->CopyPrefix(src, dst, len);
-    const Status got = cache->CopyPrefix(src, dst, len);
+    const Status got = via_c ? FromC(op, kvc_copy_prefix(handle.get(), src, dst, len))
+                             : cache->CopyPrefix(src, dst, len);
     EXPECT_SAME_RESULT(op, want, got);
     // A wrapper whose Init failed half-way may have children in different states (§10).
     if (!got.ok() && wrapper == nullptr) ExpectUnchanged(before);
@@ -542,8 +696,8 @@ struct Harness {
     op = "CanResume";
     const int seq = r.Int(-1, max_seq);
     const int32_t p = FuzzPos(r);
-    FUZZ_CHECK(model->CanResume(seq, p) == cache->CanResume(seq, p), "CanResume(%d, %d): model %d",
-               seq, p, model->CanResume(seq, p));
+    FUZZ_CHECK(model->CanResume(seq, p) == CanResume(seq, p), "CanResume(%d, %d): model %d", seq, p,
+               model->CanResume(seq, p));
   }
 
   void OpRemove(kvfuzz::Reader& r) {
@@ -563,7 +717,8 @@ struct Harness {
     std::vector<ModelShift> want_shifts;
     shifts_seen.clear();
     const Result want = model->Remove(seq, begin, end, &want_shifts);
-    const Status got = cache->Remove(seq, begin, end);
+    const Status got = via_c ? FromC(op, kvc_remove(handle.get(), seq, begin, end))
+                             : cache->Remove(seq, begin, end);
     EXPECT_SAME_RESULT(op, want, got);
     if (!got.ok() && wrapper == nullptr) ExpectUnchanged(before);
     FUZZ_CHECK(want_shifts.size() == shifts_seen.size(),
@@ -579,7 +734,11 @@ struct Harness {
   void OpClose() {
     op = "Close";
     model->Close();
-    cache->Close();
+    if (via_c) {
+      kvc_close(handle.get());
+    } else {
+      cache->Close();
+    }
   }
 
   void Run(kvfuzz::Reader& r) {
