@@ -91,6 +91,7 @@ Status Attend(const TensorView& q, const History& history, const AttentionParams
   kp.softcap = params.softcap;
   kp.sinks = params.sinks;
   kp.integer_v = params.integer_v;
+  kp.integer_k = params.integer_k;
   kp.v_permuted = perm;
   kernels::ParallelForFn pf;
   pf.run = parallel.run;

@@ -133,6 +133,7 @@ kv::AttentionParams ToParams(const kvc_attention_params* params) {
     p.softcap = params->softcap;
     p.sinks = params->sinks;
     p.integer_v = params->integer_v != 0;
+    p.integer_k = params->integer_k != 0;
   }
   return p;
 }
@@ -456,6 +457,7 @@ kvc_attention_params kvc_attention_params_default(void) {
   p.softcap = d.softcap;
   p.sinks = d.sinks;
   p.integer_v = d.integer_v ? 1 : 0;
+  p.integer_k = d.integer_k ? 1 : 0;
   return p;
 }
 

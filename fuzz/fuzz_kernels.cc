@@ -384,6 +384,7 @@ void FuzzAttention(Reader& r) {
     pf.num_threads = r.Int(2, 6);
   }
   kp.integer_v = r.OneIn(2);  // AVX3_DL decode over q8_0 / q4_0 plain V: int16 weights
+  kp.integer_k = r.OneIn(2);  // AVX3_DL decode over q8_0 K: int16 query rows
   std::vector<float> out(static_cast<size_t>(Dv * B * Hq), 12345.0f), ref(out.size(), -1.0f);
   TensorView ov = kv::MakeView(out.data(), DType::kF32, {Dv, B, Hq});
   TensorView rv = kv::MakeView(ref.data(), DType::kF32, {Dv, B, Hq});
@@ -391,11 +392,15 @@ void FuzzAttention(Reader& r) {
   kv::kernels::Attention(qv, k, v, mv, kp, pf, &ov);
   // The bound of tests/attention_test.cc: |out - ref| <= 2 dlogit + 2e-6 (|V| <= 1), dlogit =
   // 4 sqrt(D) 2^-24 S_max, S_max = scale * max sum |q k|; a little slack for the fuzzer.
-  double smax = 0;
+  double smax = 0, ksum_max = 0, qmax = 0;
+  for (float x : q) qmax = std::max(qmax, std::fabs(static_cast<double>(x)) * kp.scale);
   std::vector<float> krow(static_cast<size_t>(D));
   for (int64_t hq = 0; hq < Hq; ++hq) {
     for (int64_t j = 0; j < L; ++j) {
       kv::LoadRowAsF32(kv::RowPtr(k, hq / G, j), D, t, krow.data());
+      double ks = 0;
+      for (int64_t d = 0; d < D; ++d) ks += std::fabs(krow[d]);
+      ksum_max = std::max(ksum_max, ks);
       for (int64_t b = 0; b < B; ++b) {
         double s = 0;
         for (int64_t d = 0; d < D; ++d) s += std::fabs(q[(hq * B + b) * D + d] * krow[d]);
@@ -403,18 +408,21 @@ void FuzzAttention(Reader& r) {
       }
     }
   }
-  // integer_v adds its rounding bound, 16 * 2^-16 * max|V| (kernels/attention_decode.cc).
+  // integer_v adds its rounding bound, 16 * 2^-16 * max|V|, and integer_k e^(2 delta) - 1 with
+  // delta = max|q| * scale / 65534 * max sum|k| (kernels/attention_decode.cc).
   const double tol =
       2.0 * (2.0 * 4.0 * std::sqrt(static_cast<double>(D)) * std::ldexp(1.0, -24) * smax + 2e-6) +
-      (kp.integer_v ? 16.0 / 65536.0 : 0.0);
+      (kp.integer_v ? 16.0 / 65536.0 : 0.0) +
+      (kp.integer_k ? std::expm1(2.0 * qmax / 65534.0 * ksum_max) : 0.0);
   for (size_t i = 0; i < out.size(); ++i) {
-    FUZZ_CHECK(std::fabs(out[i] - ref[i]) <= tol || (std::isnan(out[i]) && std::isnan(ref[i])),
-               "%s: Attention %s D %lld Dv %lld Hkv %lld G %lld L %lld B %lld perm %d mode %d "
-               "softcap %g sinks %d mask %d threads %d int_v %d: out[%zu] = %g, ref %g, tol %g",
-               g_target, kv::DTypeName(t), (long long)D, (long long)Dv, (long long)Hkv,
-               (long long)G, (long long)L, (long long)B, perm, static_cast<int>(kp.mode),
-               kp.softcap, kp.sinks != nullptr, mask_kind, pf.num_threads, kp.integer_v, i, out[i],
-               ref[i], tol);
+    FUZZ_CHECK(
+        std::fabs(out[i] - ref[i]) <= tol || (std::isnan(out[i]) && std::isnan(ref[i])),
+        "%s: Attention %s D %lld Dv %lld Hkv %lld G %lld L %lld B %lld perm %d mode %d "
+        "softcap %g sinks %d mask %d threads %d int_v %d int_k %d: out[%zu] = %g, ref %g, tol %g",
+        g_target, kv::DTypeName(t), (long long)D, (long long)Dv, (long long)Hkv, (long long)G,
+        (long long)L, (long long)B, perm, static_cast<int>(kp.mode), kp.softcap,
+        kp.sinks != nullptr, mask_kind, pf.num_threads, kp.integer_v, kp.integer_k, i, out[i],
+        ref[i], tol);
   }
 }
 

@@ -47,7 +47,8 @@
 // Measured (perf/bench_attention, 2-vCPU AVX-512 VMs shared with other jobs; calls of the
 // compared variants alternating in one run): on the AMD EPYC of sessions 4-6, decode f16 at 32768
 // cells reaches 0.65-0.80 of the 1-thread read bandwidth (0.68-0.77 on 2 threads); q8_0
-// is 1.0-1.25x faster per call than f16 there, 1.1-1.45x with integer_v (head_dim 64 / 128). q8_0
+// is 1.0-1.25x faster per call than f16 there, 1.1-1.45x with integer_v (head_dim 64 / 128),
+// 1.12-1.47x with integer_v and integer_k (session 9: 2-14% above integer_v alone). q8_0
 // is compute-bound: per 16 codes it spends a widen, a convert and a scale multiply on top of the
 // FMAs of every head, and with the history in cache it is ~1.15x slower per cell than f16
 // (integer_v: ~1.05x). On the Intel Xeon of sessions 1-3 (half the bandwidth per core) f16 ran at
@@ -85,6 +86,10 @@ struct AttentionKernelParams {
   // attention_decode.cc) where the CPU has AVX512_VNNI (Highway's AVX3_DL target); elsewhere the
   // f32 pass runs.
   bool integer_v = false;
+  // Decode over q8_0 K: the K pass in int16 x int8 products, the query rounded to 16 bits per row
+  // (a logit moves by at most 2^-16 * max|q| * scale * sum|k|; derivation in
+  // attention_decode.cc) where the CPU has AVX512_VNNI; elsewhere the f32 pass runs.
+  bool integer_k = false;
 };
 
 // A parallel-for: run must call task(ctx, i) exactly once for every i in [0, n), from any threads,

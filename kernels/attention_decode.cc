@@ -8,8 +8,8 @@
 // per head and one pass over the V rows with the heads' accumulators. Each task leaves (m, l, acc)
 // partials; a merge combines the chunks, adds the sink and divides.
 //
-// AVX3_DL (AVX-512 with VNNI) is compiled too: the integer V pass uses its vpdpwssd. Highway 1.0.3
-// leaves the target out unless asked; it must be asked before any Highway header.
+// AVX3_DL (AVX-512 with VNNI) is compiled too: the integer V and K passes use its vpdpwssd.
+// Highway 1.0.3 leaves the target out unless asked; it must be asked before any Highway header.
 #ifndef HWY_WANT_AVX3_DL
 #define HWY_WANT_AVX3_DL
 #endif
@@ -50,6 +50,15 @@ constexpr int64_t kScaleStride = kBlockCells + kRowPad;
 // (68 / 136 bytes) gained up to 5% from 16 -> 32. Earlier: 8 q8_0 rows left the K loop stalled.
 constexpr int64_t kPrefetchBytes = 4096;
 constexpr int64_t kMaxQBlocks = kAttentionMaxHeadDim / 32;
+
+// One batch row's query heads of a KV head's group: f32 pre-scaled rows [G][Dp], and for the
+// integer K pass (AttentionKernelParams::integer_k) the same rows rounded to int16, [G][2 * D] in
+// IntDotHeads4's order, with each row's step (NaN: that row takes the f32 pass).
+struct QRows {
+  const float* f = nullptr;
+  const int16_t* i = nullptr;  // nullptr: no integer K pass in this call
+  const float* step = nullptr;
+};
 
 // The f16 block scales of n quantized rows, converted with vector f16 -> f32 (exact) instead of
 // one scalar conversion per (row, block, vector): out[blk * kScaleStride + j]. (A 32-bit
@@ -486,6 +495,105 @@ HWY_INLINE void DotHeads4(DF df, const char* krow0, size_t kstride, const float*
 }
 #endif  // AVX3
 
+#if HWY_TARGET == HWY_AVX3_DL
+// ---- q8_0 K with integer products (AttentionKernelParams::integer_k) ---------------------------
+// The f32 K pass spends, per 16 codes of a row, a widen, a convert and a scale multiply before
+// the heads' FMAs, and one FMA per head per 16 dims: on Zen 4 it is bound by the FMA pipe. Here
+// each query row is rounded once per call to int16 against its largest |element| (q ~ step * qi,
+// |qi| <= 32767), and two cells' blocks of 32 codes share a vector (cell r0 in the low 256 bits,
+// r1 in the high), sign-extended to int16 in place; one vpdpwssd per 32 codes and head sums 32
+// products exactly (int32: 4 products of <= 127 * 32767 per lane and block), and one convert and
+// one FMA per block, two cells and head apply the two cells' block scales. The lanes of a vector
+// stay with their cell, so one transposing reduction per 4 cells (not per cell and head) gives
+// the 16 logits.
+// Error: qi is off by <= 1/2, so a logit moves by <= step / 2 * sum_i |k_i| (step = max|q| *
+// scale / 32767), against the f32 pass's ~D * 2^-24 * sum |q k|: 2^-16 * max|q| * sum|k|, about
+// 1.5e-5 of the logit's condition. Blocks with a non-finite scale take the f32 pass.
+
+// sum + the pairwise products of adjacent int16 lanes of a and the 64 bytes at b (vpdpwssd; see
+// PairDot for why it is written out).
+HWY_INLINE __m512i PairDotMem(__m512i sum, __m512i a, const int16_t* b) {
+  asm("vpdpwssd %2, %1, %0" : "+v"(sum) : "v"(a), "m"(*reinterpret_cast<const __m512i*>(b)));
+  return sum;
+}
+
+// Query row q[0..D) (pre-scaled f32) as int16 in IntDotHeads4's order: per block of 32 dims, the
+// low vector [q0-7, q16-23, q0-7, q16-23] and the high [q8-15, q24-31, ...] (the order in which
+// unpacklo / unpackhi widen a 128-bit lane's codes). Returns the step, NaN for a non-finite row.
+HWY_INLINE float QuantizeQueryRow(const float* q, int64_t D, int16_t* out) {
+  float m = 0.0f;
+  for (int64_t i = 0; i < D; ++i) m = std::max(m, std::fabs(q[i]));
+  if (!std::isfinite(m)) return std::numeric_limits<float>::quiet_NaN();
+  const float inv = m > 0.0f ? 32767.0f / m : 0.0f;
+  for (int64_t blk = 0; blk < D / 32; ++blk) {
+    const float* qb = q + blk * 32;
+    int16_t* o = out + blk * 64;
+    for (int half = 0; half < 2; ++half) {    // lo, hi
+      for (int lane = 0; lane < 4; ++lane) {  // 128-bit lanes: dims 0-15 / 16-31 of the block
+        for (int e = 0; e < 8; ++e) {
+          const float x = qb[(lane % 2) * 16 + half * 8 + e];
+          o[half * 32 + lane * 8 + e] = static_cast<int16_t>(std::lrint(x * inv));
+        }
+      }
+    }
+  }
+  return m * (1.0f / 32767.0f);
+}
+
+// Logits of 4 q8_0 K rows (krow0, kstride apart) for kH query heads: s[g * s_stride + r] =
+// step[g] * sum_blk d[r][blk] * (codes . qi[g]) over the blocks. qi: the heads' rows from
+// QuantizeQueryRow, qi_stride int16 apart. Returns false, with s unspecified, when a block scale
+// of the rows is inf or NaN (the caller then runs the f32 pass for them).
+template <int kH>  // 1..4 heads
+HWY_INLINE bool IntDotHeads4(const char* krow0, size_t kstride, const int16_t* qi,
+                             int64_t qi_stride, const float* step, int64_t D, float* s,
+                             int64_t s_stride) {
+  static_assert(kH >= 1 && kH <= 4);
+  constexpr int kG = 4;
+  __m512 acc[2][kG];  // heads from kH on stay 0
+  for (int p = 0; p < 2; ++p)
+    for (int g = 0; g < kG; ++g) acc[p][g] = _mm512_setzero_ps();
+  for (int64_t blk = 0; blk < D / 32; ++blk) {
+    const char* block = krow0 + static_cast<size_t>(blk) * BlockBytes(DType::kQ8_0);
+    for (int p = 0; p < 2; ++p) {
+      const char* b0 = block + static_cast<size_t>(2 * p) * kstride;
+      const char* b1 = b0 + kstride;
+      // The two cells' scales: lanes 0-7 the first cell's, 8-15 the second's (exact).
+      const __m512 ds = _mm512_cvtph_ps(_mm256_mask_broadcastw_epi16(
+          _mm256_broadcastw_epi16(_mm_loadu_si16(b0)), 0xFF00, _mm_loadu_si16(b1)));
+      const __m512i bytes = _mm512_inserti64x4(
+          _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b0 + 2))),
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b1 + 2)), 1);
+      const __m512i sign = _mm512_movm_epi8(_mm512_movepi8_mask(bytes));
+      const __m512i lo = _mm512_unpacklo_epi8(bytes, sign);
+      const __m512i hi = _mm512_unpackhi_epi8(bytes, sign);
+      for (int g = 0; g < kH; ++g) {
+        const int16_t* qg = qi + g * qi_stride + blk * 64;
+        const __m512i dot = PairDotMem(_mm512_madd_epi16(lo, _mm512_load_si512(qg)), hi, qg + 32);
+        acc[p][g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), ds, acc[p][g]);
+      }
+    }
+  }
+  const DF df;
+  // Block r of `all`: cell r's four heads (QuadSums per pair of cells, then each cell's halves).
+  const VF u0 = QuadSums(df, VF{acc[0][0]}, VF{acc[0][1]}, VF{acc[0][2]}, VF{acc[0][3]});
+  const VF u1 = QuadSums(df, VF{acc[1][0]}, VF{acc[1][1]}, VF{acc[1][2]}, VF{acc[1][3]});
+  __m512 all = _mm512_mul_ps(BlockPairSums(u0, u1).raw,
+                             _mm512_broadcast_f32x4(_mm_maskz_loadu_ps((1 << kH) - 1, step)));
+  // A non-finite block scale makes its cell's logits non-finite (inf times an integer sum is inf
+  // or NaN), and finite scales cannot: the integer sums and the step are bounded.
+  if (_mm512_fpclass_ps_mask(all, 0x99) != 0) return false;  // QNaN, SNaN, +inf, -inf
+  // Block g: head g's four cells.
+  all = _mm512_permutexvar_ps(
+      _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0), all);
+  for (int g = 0; g < kH; ++g) {
+    _mm_storeu_ps(s + g * s_stride, _mm512_extractf32x4_ps(all, 0));
+    all = _mm512_shuffle_f32x4(all, all, _MM_SHUFFLE(0, 3, 2, 1));
+  }
+  return true;
+}
+#endif  // AVX3_DL
+
 // Float dtypes. Dimension chunks outside, cells inside: each head's accumulator chunk stays in a
 // register.
 template <DType T, int kG>
@@ -615,8 +723,9 @@ HWY_INLINE void SoftmaxStep(DF df, int64_t n, int64_t Dvp, float* s, float* stat
 // Cells [c0, c0 + n) (all visible to row b) for heads g0 .. g0 + kG of KV head h.
 template <DType T, bool kPermV, int kG>
 HWY_NOINLINE void DecodeCells(const Ctx& c, int64_t h, int64_t b, int64_t g0, int64_t c0, int64_t n,
-                              const float* qs, float* rows) {
+                              const QRows& q, float* rows) {
   const DF df;
+  const float* qs = q.f;
   HWY_ALIGN float s[kG][kBlockCells + kRowPad];
   const char* kbase = static_cast<const char*>(c.k.data) + static_cast<size_t>(h) * c.k.nb[1];
   const char* vrow0 = static_cast<const char*>(c.v.data) + static_cast<size_t>(h) * c.v.nb[1] +
@@ -638,6 +747,26 @@ HWY_NOINLINE void DecodeCells(const Ctx& c, int64_t h, int64_t b, int64_t g0, in
     for (size_t o = 0; o < vrow_bytes; o += 64) hwy::Prefetch(va + o);
   };
   int64_t j = 0;
+#if HWY_TARGET == HWY_AVX3_DL
+  if constexpr (T == DType::kQ8_0) {
+    bool use_int = q.i != nullptr;
+    for (int g = 0; g < kG && use_int; ++g) use_int = !std::isnan(q.step[g0 + g]);
+    constexpr int kH = kG < 4 ? kG : 4;
+    for (; use_int && j + 4 <= n; j += 4) {
+      for (int64_t r = 0; r < 4; ++r) prefetch(j + r);
+      const char* k4 = kbase + static_cast<size_t>(c0 + j) * kst;
+      for (int gg = 0; gg < kG; gg += kH) {
+        if (!IntDotHeads4<kH>(k4, kst, q.i + (g0 + gg) * 2 * c.D, 2 * c.D, q.step + g0 + gg, c.D,
+                              &s[gg][j], kBlockCells + kRowPad)) {
+          for (int64_t r = 0; r < 4; ++r) {  // a non-finite scale: these rows' f32 logits
+            DotHeads<T, kH>(df, k4 + static_cast<size_t>(r) * kst, qs + (g0 + gg) * c.Dp, c.Dp, c.D,
+                            &s[gg][j + r], kBlockCells + kRowPad);
+          }
+        }
+      }
+    }
+  }
+#endif
 #if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
   if constexpr (kG == 4) {
     const int64_t n4 = IsQuantized(T) || c.D % static_cast<int64_t>(kN) == 0 ? n : 0;
@@ -688,7 +817,7 @@ HWY_NOINLINE void DecodeCells(const Ctx& c, int64_t h, int64_t b, int64_t g0, in
 
 template <DType T, bool kPermV>
 HWY_INLINE void DecodeCellsAllHeads(const Ctx& c, int64_t h, int64_t b, int64_t c0, int64_t n,
-                                    const float* qs, float* rows) {
+                                    const QRows& qs, float* rows) {
   int64_t g = 0;
   for (; g + 8 <= c.G; g += 8) DecodeCells<T, kPermV, 8>(c, h, b, g, c0, n, qs, rows);
   const int64_t r = c.G - g;
@@ -714,7 +843,7 @@ constexpr int64_t kShortSpan = 16;
 // only (a permuted V row is one element per dimension line).
 template <DType T>
 HWY_NOINLINE void DecodeGathered(const Ctx& c, int64_t h, int64_t b, const int32_t* cells,
-                                 int64_t n, const float* qs, float* rows) {
+                                 int64_t n, const QRows& qs, float* rows) {
   const size_t krb = RowBytes(T, c.D), vrb = RowBytes(T, c.Dv);
   const size_t kbytes = (static_cast<size_t>(n) * krb + 63) / 64 * 64;
   const size_t vbytes = (static_cast<size_t>(n) * vrb + 63) / 64 * 64;
@@ -759,8 +888,17 @@ void DecodeHeadChunk(const Ctx& c, int64_t h, int64_t chunk) {
     row[c.Dvp] = neg_inf;
     row[c.Dvp + 1] = 0.0f;
   }
-  // The group's query rows, pre-scaled and zero-padded: [B][G][Dp].
-  float* qs = attn::ThreadScratch(static_cast<size_t>(c.B * c.G * c.Dp), 1);
+  // The group's query rows, pre-scaled and zero-padded: [B][G][Dp]; for the integer K pass also
+  // as int16, [B][G][2 * D], and their steps [B][G].
+  bool integer_k = false;
+#if HWY_TARGET == HWY_AVX3_DL
+  integer_k = T == DType::kQ8_0 && c.p.integer_k;
+#endif
+  const size_t qf_floats = static_cast<size_t>(c.B * c.G * c.Dp);
+  const size_t qi_floats = integer_k ? static_cast<size_t>(c.B * c.G * c.D) : 0;
+  float* qs = attn::ThreadScratch(qf_floats + qi_floats + (integer_k ? c.B * c.G : 0), 1);
+  int16_t* qi = integer_k ? reinterpret_cast<int16_t*>(qs + qf_floats) : nullptr;
+  float* qstep = qs + qf_floats + qi_floats;
   const VF vscale = hn::Set(df, c.p.scale);
   for (int64_t b = 0; b < c.B; ++b) {
     for (int64_t g = 0; g < c.G; ++g) {
@@ -771,8 +909,20 @@ void DecodeHeadChunk(const Ctx& c, int64_t h, int64_t chunk) {
         hn::Store(hn::Mul(hn::LoadU(df, src + i), vscale), df, dst + i);
       }
       for (; i < c.Dp; ++i) dst[i] = i < c.D ? src[i] * c.p.scale : 0.0f;
+#if HWY_TARGET == HWY_AVX3_DL
+      if (integer_k) qstep[b * c.G + g] = QuantizeQueryRow(dst, c.D, qi + (b * c.G + g) * 2 * c.D);
+#endif
     }
   }
+  const auto q_row = [&](int64_t b) {
+    QRows r;
+    r.f = qs + b * c.G * c.Dp;
+    if (integer_k) {
+      r.i = qi + b * c.G * 2 * c.D;
+      r.step = qstep + b * c.G;
+    }
+    return r;
+  };
   // Per row, a cursor into its spans: the first span ending after lo.
   constexpr int64_t kMaxB = 64;
   int64_t cursor[kMaxB];
@@ -804,19 +954,17 @@ void DecodeHeadChunk(const Ctx& c, int64_t h, int64_t chunk) {
           for (int64_t j = s0; j < s1; ++j) short_cells[n_short++] = static_cast<int32_t>(j);
           ++short_spans;
         } else if (s1 > s0) {
-          DecodeCellsAllHeads<T, kPermV>(c, h, b, s0, s1 - s0, qs + b * c.G * c.Dp,
-                                         part + b * c.G * rs);
+          DecodeCellsAllHeads<T, kPermV>(c, h, b, s0, s1 - s0, q_row(b), part + b * c.G * rs);
         }
         if (sp[2 * cur + 1] > blk1) break;  // the span goes on into the next block
         ++cur;
       }
       if constexpr (!kPermV) {
         if (short_spans == 1) {  // contiguous: nothing to gain from a copy
-          DecodeCellsAllHeads<T, kPermV>(c, h, b, short_cells[0], n_short, qs + b * c.G * c.Dp,
+          DecodeCellsAllHeads<T, kPermV>(c, h, b, short_cells[0], n_short, q_row(b),
                                          part + b * c.G * rs);
         } else if (short_spans > 1) {
-          DecodeGathered<T>(c, h, b, short_cells, n_short, qs + b * c.G * c.Dp,
-                            part + b * c.G * rs);
+          DecodeGathered<T>(c, h, b, short_cells, n_short, q_row(b), part + b * c.G * rs);
         }
       }
     }

@@ -18,6 +18,7 @@
 #include <map>
 #include <random>
 #include <tuple>
+#include <string>
 #include <vector>
 
 #include "benchmark/benchmark.h"
@@ -246,8 +247,9 @@ void BM_Decode(benchmark::State& state) {
 }
 
 // q8_0 against f16 with the calls alternating, so that both see the same machine: the ratio of
-// the best calls is the per-call speedup. q8int: q8_0 with AttentionParams::integer_v (the V pass
-// in int16 arithmetic). Args: D, L, threads.
+// the best calls is the per-call speedup. q8intv / q8intk / q8intkv: q8_0 with
+// AttentionParams::integer_v (the V pass in int16 arithmetic), integer_k (the K pass), both.
+// Args: D, L, threads.
 void BM_DecodeQ8VsF16Interleaved(benchmark::State& state) {
   const int D = static_cast<int>(state.range(0));
   const int L = static_cast<int>(state.range(1));
@@ -258,26 +260,28 @@ void BM_DecodeQ8VsF16Interleaved(benchmark::State& state) {
   kv::AttentionParams p;
   (void)kv::Attend(f16.qv, f16.hist, p, &f16.ov, &pool);
   (void)kv::Attend(q8.qv, q8.hist, p, &q8.ov, &pool);
-  kv::AttentionParams pint;
-  pint.integer_v = true;
-  (void)kv::Attend(q8.qv, q8.hist, pint, &q8.ov, &pool);
-  double best_f16 = 1e30, best_q8 = 1e30, best_q8int = 1e30;
+  // Variants of q8_0 decode: f32 arithmetic, then integer V, integer K, both.
+  kv::AttentionParams pq[4];
+  pq[1].integer_v = pq[3].integer_v = true;
+  pq[2].integer_k = pq[3].integer_k = true;
+  for (const kv::AttentionParams& v : pq) (void)kv::Attend(q8.qv, q8.hist, v, &q8.ov, &pool);
+  double best_f16 = 1e30, best_q8[4] = {1e30, 1e30, 1e30, 1e30};
   for (auto _ : state) {
     auto t0 = Clock::now();
     (void)kv::Attend(f16.qv, f16.hist, p, &f16.ov, &pool);
     best_f16 = std::min(best_f16, Seconds(t0, Clock::now()));
-    t0 = Clock::now();
-    (void)kv::Attend(q8.qv, q8.hist, p, &q8.ov, &pool);
-    best_q8 = std::min(best_q8, Seconds(t0, Clock::now()));
-    t0 = Clock::now();
-    (void)kv::Attend(q8.qv, q8.hist, pint, &q8.ov, &pool);
-    best_q8int = std::min(best_q8int, Seconds(t0, Clock::now()));
+    for (int i = 0; i < 4; ++i) {
+      t0 = Clock::now();
+      (void)kv::Attend(q8.qv, q8.hist, pq[i], &q8.ov, &pool);
+      best_q8[i] = std::min(best_q8[i], Seconds(t0, Clock::now()));
+    }
   }
+  const char* names[4] = {"q8", "q8intv", "q8intk", "q8intkv"};
   state.counters["f16_us"] = best_f16 * 1e6;
-  state.counters["q8_us"] = best_q8 * 1e6;
-  state.counters["q8_vs_f16"] = best_f16 / best_q8;
-  state.counters["q8int_us"] = best_q8int * 1e6;
-  state.counters["q8int_vs_f16"] = best_f16 / best_q8int;
+  for (int i = 0; i < 4; ++i) {
+    state.counters[std::string(names[i]) + "_us"] = best_q8[i] * 1e6;
+    state.counters[std::string(names[i]) + "_vs_f16"] = best_f16 / best_q8[i];
+  }
 }
 
 // Args: threads.

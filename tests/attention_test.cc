@@ -218,6 +218,7 @@ struct Run {
   AttentionMode mode;
   ThreadPool* pool;
   bool integer_v = false;
+  bool integer_k = false;
 };
 
 // Integer V pass (AttentionKernelParams::integer_v, AVX3_DL only; other targets run the f32 pass):
@@ -226,14 +227,25 @@ struct Run {
 // f32 bound for those runs.
 constexpr double kIntegerVTol = 16.0 / 65536.0;
 
+// Integer K pass (AttentionKernelParams::integer_k, q8_0, AVX3_DL only): each pre-scaled query
+// element is off by at most max|q| * scale / 65534 (16-bit rounding of its row), so a logit moves
+// by at most delta = max|q| * scale / 65534 * max_j sum_i |k_ji|, and every softmax weight by a
+// factor within e^(+-2 delta): the output by at most (e^(2 delta) - 1) * max|V|. CheckCase adds
+// that (computed from the case's stored K) for those runs.
+
 // One case, one reference, several kernel runs (modes x thread counts).
 void CheckCase(const Case& c, std::initializer_list<Run> given) {
-  // Every decode run over quantized plain V is repeated with the integer V pass.
+  // Every decode run over quantized plain V is repeated with the integer V pass, and over q8_0
+  // with the integer K pass, alone and with integer V.
   std::vector<Run> runs(given);
   for (const Run& r : given) {
     const bool decode =
         r.mode == AttentionMode::kDecode || (r.mode == AttentionMode::kAuto && c.B < 8);
     if (decode && IsQuantized(c.dt) && !c.perm) runs.push_back({r.mode, r.pool, true});
+    if (decode && c.dt == DType::kQ8_0) {
+      runs.push_back({r.mode, r.pool, false, true});
+      runs.push_back({r.mode, r.pool, true, true});
+    }
   }
   SCOPED_TRACE(Describe(c) + " target=" + TargetNow());
   std::mt19937 rng(1234u + static_cast<uint32_t>(c.D * 7 + c.L * 13 + c.B * 31 + c.G));
@@ -274,12 +286,26 @@ void CheckCase(const Case& c, std::initializer_list<Run> given) {
     }
   }
   const double dlogit = 4.0 * std::sqrt(static_cast<double>(c.D)) * std::ldexp(1.0, -24) * smax;
+  // The integer K pass's bound (above), over every row of every head.
+  double qmax = 0, ksum_max = 0;
+  for (float x : q) qmax = std::max(qmax, std::fabs(static_cast<double>(x)) * kp.scale);
+  for (int hh = 0; hh < c.Hkv; ++hh) {
+    for (int j = 0; j < c.L; ++j) {
+      LoadRowAsF32(RowPtr(h.k, hh, j), c.D, c.dt, krow.data());
+      double ks = 0;
+      for (int d = 0; d < c.D; ++d) ks += std::fabs(krow[d]);
+      ksum_max = std::max(ksum_max, ks);
+    }
+  }
+  const double int_k_tol = std::expm1(2.0 * qmax / 65534.0 * ksum_max);
   const double tol = 1.0 * (2.0 * dlogit + 2e-6);  // max|V| <= 1
   for (const Run& run : runs) {
     SCOPED_TRACE("mode=" + std::to_string(static_cast<int>(run.mode)) +
                  " threads=" + std::to_string(run.pool ? run.pool->NumThreads() : 1) +
-                 " integer_v=" + std::to_string(run.integer_v));
-    const double run_tol = tol + (run.integer_v ? kIntegerVTol : 0.0);
+                 " integer_v=" + std::to_string(run.integer_v) +
+                 " integer_k=" + std::to_string(run.integer_k));
+    const double run_tol =
+        tol + (run.integer_v ? kIntegerVTol : 0.0) + (run.integer_k ? int_k_tol : 0.0);
     kernels::ParallelForFn pf;
     if (run.pool != nullptr) {
       const ParallelFor p = run.pool->AsParallelFor();
@@ -289,14 +315,15 @@ void CheckCase(const Case& c, std::initializer_list<Run> given) {
     }
     kp.mode = run.mode;
     kp.integer_v = run.integer_v;
+    kp.integer_k = run.integer_k;
     std::fill(out.begin(), out.end(), 12345.0f);
     kernels::Attention(qv, h.k, h.v, mv, kp, pf, &ov);
     double maxerr = 0;
     for (size_t i = 0; i < out.size(); ++i)
       maxerr = std::max(maxerr, static_cast<double>(std::fabs(out[i] - ref[i])));
     if (std::getenv("ATTN_TEST_VERBOSE"))
-      std::printf("%s int_v=%d err=%.3g tol=%.3g ratio=%.3f\n", Describe(c).c_str(), run.integer_v,
-                  maxerr, run_tol, maxerr / run_tol);
+      std::printf("%s int_v=%d int_k=%d err=%.3g tol=%.3g ratio=%.3f\n", Describe(c).c_str(),
+                  run.integer_v, run.integer_k, maxerr, run_tol, maxerr / run_tol);
     int bad = 0;
     for (size_t i = 0; i < out.size() && bad < 5; ++i) {
       if (!(std::fabs(out[i] - ref[i]) <= run_tol)) {
@@ -499,6 +526,67 @@ TEST_P(AttentionTest, IntegerVTinyValues) {
     EXPECT_LE(maxerr, (kIntegerVTol + 1e-5) * vmax);
     // The integer pass ran where it exists (it does not match the f32 pass exactly).
     const int64_t best = hwy::SupportedTargets() & -hwy::SupportedTargets();
+    if (best == HWY_AVX3_DL) {
+      EXPECT_GT(maxerr, 0.0);
+    } else {
+      EXPECT_EQ(maxerr, 0.0);
+    }
+  }
+}
+
+// The integer K pass against the f32 pass on the same q8_0 history: within its bound (see
+// CheckCase), different where it runs (AVX3_DL) and identical elsewhere; and with a K block scale
+// of inf or NaN (outside the kernel's contract: the logits must be finite) the outputs are
+// non-finite exactly where the f32 pass's are (the 4 cells around it take the f32 pass).
+TEST_P(AttentionTest, IntegerKAgainstTheF32Pass) {
+  SCOPED_TRACE("target=" + TargetNow());
+  constexpr int D = SmallDecode::D, Hkv = SmallDecode::Hkv, L = SmallDecode::L;
+  std::mt19937 rng(79u);
+  TestHistory h = MakeHistory(DType::kQ8_0, D, D, Hkv, L, false, rng);
+  const SmallDecode sd(rng, 4.0f);
+  kernels::AttentionKernelParams kp;
+  kp.scale = 0.125f;
+  kp.mode = AttentionMode::kDecode;
+  double qmax = 0, ksum_max = 0;
+  for (float x : sd.q) qmax = std::max(qmax, std::fabs(static_cast<double>(x)) * kp.scale);
+  std::vector<float> krow(D);
+  for (int hh = 0; hh < Hkv; ++hh) {
+    for (int j = 0; j < L; ++j) {
+      LoadRowAsF32(RowPtr(h.k, hh, j), D, DType::kQ8_0, krow.data());
+      double ks = 0;
+      for (float x : krow) ks += std::fabs(x);
+      ksum_max = std::max(ksum_max, ks);
+    }
+  }
+  const double bound = std::expm1(2.0 * qmax / 65534.0 * ksum_max) + 1e-5;  // max|V| <= 1
+  const int64_t best = hwy::SupportedTargets() & -hwy::SupportedTargets();
+  for (const char* stored : {"finite", "inf", "nan"}) {
+    SCOPED_TRACE(stored);
+    if (stored[0] != 'f') {  // cell 123 of head 1, block 1's scale
+      const uint16_t bits = stored[0] == 'i' ? 0x7C00 : 0x7E00;
+      std::memcpy(static_cast<char*>(RowPtr(h.k, 1, 123)) + BlockBytes(DType::kQ8_0), &bits, 2);
+    }
+    std::vector<float> out_f, out_i;
+    TensorView of = SmallDecode::Out(&out_f), oi = SmallDecode::Out(&out_i);
+    kp.integer_k = false;
+    kernels::Attention(sd.qv, h.k, h.v, TensorView{}, kp, {}, &of);
+    kp.integer_k = true;
+    kernels::Attention(sd.qv, h.k, h.v, TensorView{}, kp, {}, &oi);
+    double maxerr = 0;
+    int non_finite = 0;
+    for (size_t i = 0; i < out_f.size(); ++i) {
+      ASSERT_EQ(std::isnan(out_i[i]), std::isnan(out_f[i])) << i << " out=" << out_i[i];
+      ASSERT_EQ(std::isinf(out_i[i]), std::isinf(out_f[i])) << i << " out=" << out_i[i];
+      if (!std::isfinite(out_f[i])) {
+        ++non_finite;
+        continue;
+      }
+      maxerr = std::max(maxerr, std::fabs(static_cast<double>(out_f[i]) - out_i[i]));
+    }
+    if (stored[0] == 'f') {
+      EXPECT_EQ(non_finite, 0);
+    }
+    EXPECT_LE(maxerr, bound);
     if (best == HWY_AVX3_DL) {
       EXPECT_GT(maxerr, 0.0);
     } else {

@@ -292,7 +292,7 @@ static void TestAttention(void) {
   kvc_thread_pool* pool = kvc_thread_pool_new(2);
   kvc_tensor ot2 = kvc_make_tensor(out2, KVC_F32, 3, q_ne);
   kvc_attention_params p = kvc_attention_params_default();
-  CHECK(p.scale == 0 && p.softcap == 0 && p.sinks == NULL && p.integer_v == 0);
+  CHECK(p.scale == 0 && p.softcap == 0 && p.sinks == NULL && p.integer_v == 0 && p.integer_k == 0);
   CHECK_OK(kvc_attend(&qt, &h, &p, &ot2, pool));
   CHECK(memcmp(out, out2, sizeof(out)) == 0);
   kvc_thread_pool_free(pool);

@@ -9,6 +9,7 @@
 
 #include "core/kvcache_c_interop.h"
 #include "gtest/gtest.h"
+#include "hwy/targets.h"
 #include "kvcache/kvcache.h"
 #include "kvcache/kvcache_c.h"
 
@@ -243,6 +244,26 @@ TEST(CApi, AttentionAndParallelForMatchTheCppApi) {
   ASSERT_EQ(kvc_attend_parallel(&qc, &hc, &cp, &opf, &pf), KVC_OK);
   EXPECT_GT(counter.tasks, 0);
   for (size_t i = 0; i < want.size(); ++i) EXPECT_NEAR(want[i], got_pf[i], 1e-5f) << i;
+
+  // The integer passes' flags reach the kernel: a decode row (B = 1) with integer_k and integer_v
+  // gives the C++ result with them, which differs from the f32 result where they run (AVX3_DL).
+  kv::History h1 = h;
+  h1.mask.ne[1] = 1;
+  const kv::TensorView q1 = kv::MakeView(q.data(), kv::DType::kF32, {kD, 1, kHq});
+  std::vector<float> f32_1(kD * kHq), int_1(kD * kHq), c_1(kD * kHq);
+  kv::TensorView o1 = kv::MakeView(f32_1.data(), kv::DType::kF32, {kD, 1, kHq});
+  ASSERT_TRUE(kv::Attend(q1, h1, p, &o1).ok());
+  p.integer_k = p.integer_v = true;
+  o1.data = int_1.data();
+  ASSERT_TRUE(kv::Attend(q1, h1, p, &o1).ok());
+  cp.integer_k = cp.integer_v = 1;
+  const kvc_history hc1 = kv::HistoryToC(h1);
+  const kvc_tensor qc1 = kv::ViewToC(q1);
+  kvc_tensor oc1 = kv::ViewToC(kv::MakeView(c_1.data(), kv::DType::kF32, {kD, 1, kHq}));
+  ASSERT_EQ(kvc_attend(&qc1, &hc1, &cp, &oc1, nullptr), KVC_OK);
+  EXPECT_EQ(c_1, int_1);
+  const int64_t best = hwy::SupportedTargets() & -hwy::SupportedTargets();
+  EXPECT_EQ(f32_1 != int_1, best == HWY_AVX3_DL);
 }
 
 TEST(CApi, SequenceCachesMatchTheCppApi) {
@@ -295,7 +316,9 @@ void InitAndPutTwoTokens(kvc_cache* c, kvc_dtype dtype, int layer_type, const kv
   ASSERT_EQ(kvc_init(c, dtype, 1, 8, 2), KVC_OK);
   const int32_t pos[2] = {0, 1}, seq[2] = {0, 0};
   ASSERT_EQ(kvc_start_forward(c, pos, seq, 2, nullptr, 0, 0), KVC_OK);
-  if (layer_type >= 0) ASSERT_EQ(kvc_set_layer_type(c, layer_type), KVC_OK);
+  if (layer_type >= 0) {
+    ASSERT_EQ(kvc_set_layer_type(c, layer_type), KVC_OK);
+  }
   kvc_set_layer(c, 0);
   ASSERT_EQ(kvc_put(c, &kv, &kv), KVC_OK);
 }
