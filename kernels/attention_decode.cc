@@ -498,17 +498,17 @@ HWY_INLINE void DotHeads4(DF df, const char* krow0, size_t kstride, const float*
 #if HWY_TARGET == HWY_AVX3_DL
 // ---- q8_0 K with integer products (AttentionKernelParams::integer_k) ---------------------------
 // The f32 K pass spends, per 16 codes of a row, a widen, a convert and a scale multiply before
-// the heads' FMAs, and one FMA per head per 16 dims: on Zen 4 it is bound by the FMA pipe. Here
-// each query row is rounded once per call to int16 against its largest |element| (q ~ step * qi,
-// |qi| <= 32767), and two cells' blocks of 32 codes share a vector (cell r0 in the low 256 bits,
-// r1 in the high), sign-extended to int16 in place; one vpdpwssd per 32 codes and head sums 32
-// products exactly (int32: 4 products of <= 127 * 32767 per lane and block), and one convert and
-// one FMA per block, two cells and head apply the two cells' block scales. The lanes of a vector
-// stay with their cell, so one transposing reduction per 4 cells (not per cell and head) gives
-// the 16 logits.
-// Error: qi is off by <= 1/2, so a logit moves by <= step / 2 * sum_i |k_i| (step = max|q| *
-// scale / 32767), against the f32 pass's ~D * 2^-24 * sum |q k|: 2^-16 * max|q| * sum|k|, about
-// 1.5e-5 of the logit's condition. Blocks with a non-finite scale take the f32 pass.
+// the heads' FMAs, and one FMA per head per 16 dims: on the EPYC VMs q8_0 decode is bound by that
+// arithmetic (in cache ~15% slower per cell than f16). Here each query row is rounded once per
+// call to int16 against its largest |element| (q ~ step * qi, |qi| <= 32767), and two cells' blocks
+// of 32 codes share a vector (cell r0 in the low 256 bits, r1 in the high), sign-extended to int16
+// in place; one vpdpwssd per 32 codes and head sums 32 products exactly (int32: 4 products of <=
+// 127 * 32767 per lane and block), and one convert and one FMA per block, two cells and head apply
+// the two cells' block scales. The lanes of a vector stay with their cell, so one transposing
+// reduction per 4 cells (not per cell and head) gives the 16 logits. Error: qi is off by <= 1/2, so
+// a logit moves by <= step / 2 * sum_i |k_i| (step = max|q| * scale / 32767), against the f32
+// pass's ~D * 2^-24 * sum |q k|: 2^-16 * max|q| * sum|k|, about 1.5e-5 of the logit's condition.
+// Blocks with a non-finite scale take the f32 pass.
 
 // sum + the pairwise products of adjacent int16 lanes of a and the 64 bytes at b (vpdpwssd; see
 // PairDot for why it is written out).
