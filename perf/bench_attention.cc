@@ -17,8 +17,8 @@
 #include <ctime>
 #include <map>
 #include <random>
-#include <tuple>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "benchmark/benchmark.h"
