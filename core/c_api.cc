@@ -34,7 +34,9 @@ static_assert(KVC_CORRUPT == static_cast<int>(kv::Code::kCorrupt));
 static_assert(KVC_POS_MAX == kv::kPosMax);
 
 struct kvc_cache {
-  std::unique_ptr<kv::Cache> owned;  // null in a wrapper's child handle: the wrapper owns it
+  // Null in a wrapper's child handle: the wrapper owns the object, and its handle frees this one
+  // (kvc_cache_free ignores a child handle).
+  std::unique_ptr<kv::Cache> owned;
   kv::Cache* cache = nullptr;
   // The same object through its variant's interface, where it has one (else null).
   kv::CausalCache* causal = nullptr;
@@ -42,7 +44,6 @@ struct kvc_cache {
   kv::WrapperCache* wrapper = nullptr;
   // A wrapper's handles of its children (kvc_wrapper_child), in child order.
   std::vector<std::unique_ptr<kvc_cache>> children;
-  bool is_child = false;  // kvc_cache_free ignores it: its wrapper's handle frees it
 };
 
 struct kvc_seq_cache {
@@ -221,10 +222,7 @@ kvc_cache* kvc_wrapper_new(kvc_cache** children, int n) {
   h->cache = w.get();
   h->owned = std::move(w);
   h->children.reserve(static_cast<size_t>(n));
-  for (int i = 0; i < n; ++i) {
-    children[i]->is_child = true;  // same object, now inside the wrapper
-    h->children.emplace_back(children[i]);
-  }
+  for (int i = 0; i < n; ++i) h->children.emplace_back(children[i]);
   return h;
 }
 
@@ -236,7 +234,7 @@ kvc_cache* kvc_wrapper_child(kvc_cache* wrapper, int i) {
 }
 
 void kvc_cache_free(kvc_cache* cache) {
-  if (cache != nullptr && !cache->is_child) delete cache;
+  if (cache != nullptr && cache->owned != nullptr) delete cache;
 }
 
 kvc_code kvc_set_config(kvc_cache* cache, const kvc_config* config) {
