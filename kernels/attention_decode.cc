@@ -521,20 +521,31 @@ HWY_INLINE __m512i PairDotMem(__m512i sum, __m512i a, const int16_t* b) {
 // low vector [q0-7, q16-23, q0-7, q16-23] and the high [q8-15, q24-31, ...] (the order in which
 // unpacklo / unpackhi widen a 128-bit lane's codes). Returns the step, NaN for a non-finite row.
 HWY_INLINE float QuantizeQueryRow(const float* q, int64_t D, int16_t* out) {
-  float m = 0.0f;
-  for (int64_t i = 0; i < D; ++i) m = std::max(m, std::fabs(q[i]));
-  if (!std::isfinite(m)) return std::numeric_limits<float>::quiet_NaN();
-  const float inv = m > 0.0f ? 32767.0f / m : 0.0f;
+  const DF df;
+  // max|q|, and x * 0 summed: NaN when any element is inf or NaN (x86's max drops a NaN operand).
+  VF vmax = hn::Zero(df), poison = hn::Zero(df);
+  for (int64_t i = 0; i < D; i += kN) {
+    const VF x = hn::LoadU(df, q + i);
+    vmax = hn::Max(vmax, hn::Abs(x));
+    poison = hn::MulAdd(x, hn::Zero(df), poison);
+  }
+  if (std::isnan(hn::GetLane(hn::SumOfLanes(df, poison)))) {
+    return std::numeric_limits<float>::quiet_NaN();
+  }
+  const float m = hn::GetLane(hn::MaxOfLanes(df, vmax));
+  const VF inv = hn::Set(df, m > 0.0f ? 32767.0f / m : 0.0f);
+  const hn::Rebind<int16_t, DF> d16;
+  HWY_ALIGN int16_t r[32];  // one block's elements, rounded to nearest (even on ties, as lrint)
   for (int64_t blk = 0; blk < D / 32; ++blk) {
-    const float* qb = q + blk * 32;
+    for (int64_t i = 0; i < 32; i += kN) {
+      const VF x = hn::Mul(hn::LoadU(df, q + blk * 32 + i), inv);
+      hn::Store(hn::DemoteTo(d16, hn::NearestInt(x)), d16, r + i);
+    }
+    // 128-bit lanes of the low vector: dims 0-7, 16-23, 0-7, 16-23; of the high: 8-15, 24-31, ...
     int16_t* o = out + blk * 64;
-    for (int half = 0; half < 2; ++half) {    // lo, hi
-      for (int lane = 0; lane < 4; ++lane) {  // 128-bit lanes: dims 0-15 / 16-31 of the block
-        for (int e = 0; e < 8; ++e) {
-          const float x = qb[(lane % 2) * 16 + half * 8 + e];
-          o[half * 32 + lane * 8 + e] = static_cast<int16_t>(std::lrint(x * inv));
-        }
-      }
+    for (int lane = 0; lane < 4; ++lane) {
+      std::memcpy(o + lane * 8, r + (lane % 2) * 16, 16);
+      std::memcpy(o + 32 + lane * 8, r + (lane % 2) * 16 + 8, 16);
     }
   }
   return m * (1.0f / 32767.0f);

@@ -595,6 +595,44 @@ TEST_P(AttentionTest, IntegerKAgainstTheF32Pass) {
   }
 }
 
+// A NaN or inf in a query row: the integer K pass must hand that row to the f32 pass (its step is
+// NaN), so that head's outputs are the f32 pass's, bit for bit (NaN logits hide their cells there,
+// as in the double reference: zeros; inf gives non-finite outputs). A NaN element once slipped
+// through the row's max|q| (std::max ignores it) and gave other, finite outputs.
+TEST_P(AttentionTest, IntegerKNonFiniteQuery) {
+  SCOPED_TRACE("target=" + TargetNow());
+  constexpr int D = SmallDecode::D, Hkv = SmallDecode::Hkv, L = SmallDecode::L;
+  constexpr int kBadRow = 1, kBadHead = 5;
+  std::mt19937 rng(80u);
+  TestHistory h = MakeHistory(DType::kQ8_0, D, D, Hkv, L, false, rng);
+  for (float bad :
+       {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity()}) {
+    for (int at : {0, 37, D - 1}) {  // first, middle and last element of the row
+      SCOPED_TRACE(std::to_string(bad) + " at " + std::to_string(at));
+      SmallDecode sd(rng, 1.0f);
+      sd.q[static_cast<size_t>(D) * (kBadRow * SmallDecode::Hq + kBadHead) + at] = bad;
+      kernels::AttentionKernelParams kp;
+      kp.scale = 0.125f;
+      kp.mode = AttentionMode::kDecode;
+      std::vector<float> out_f, out_i;
+      TensorView of = SmallDecode::Out(&out_f), oi = SmallDecode::Out(&out_i);
+      kernels::Attention(sd.qv, h.k, h.v, TensorView{}, kp, {}, &of);
+      kp.integer_k = true;
+      kernels::Attention(sd.qv, h.k, h.v, TensorView{}, kp, {}, &oi);
+      const size_t bad0 = static_cast<size_t>(D) * (kBadRow * SmallDecode::Hq + kBadHead);
+      for (size_t i = bad0; i < bad0 + D; ++i) {
+        ASSERT_TRUE(std::memcmp(&out_i[i], &out_f[i], 4) == 0 ||
+                    (std::isnan(out_i[i]) && std::isnan(out_f[i])))
+            << i - bad0 << ": " << out_i[i] << " vs the f32 pass's " << out_f[i];
+      }
+      for (size_t i = 0; i < out_f.size(); ++i) {
+        if (i >= bad0 && i < bad0 + D) continue;
+        ASSERT_TRUE(std::isfinite(out_i[i])) << i;
+      }
+    }
+  }
+}
+
 // Stored inf in V (an f16 element, a q8_0 / q4_0 block scale) gives non-finite outputs in exactly
 // the places the double reference does, on every target, in both modes and in the integer V pass.
 // Targets without F16C convert f16 in software; Highway 1.0.3's conversion there reads exponent 31
