@@ -48,6 +48,14 @@ constexpr int64_t kScaleStride = kBlockCells + kRowPad;
 // rows) ran 9-13% faster with 32 rows ahead than with 8 (1 and 2 threads, 32768 cells, calls
 // alternating in one process); at head_dim 128 8 and 16 rows were within noise, and q8_0 rows
 // (68 / 136 bytes) gained up to 5% from 16 -> 32. Earlier: 8 q8_0 rows left the K loop stalled.
+// Session 10 (f16 / q8_0, head_dim 128, 32768 cells, variants alternating in one process): without
+// any software prefetch decode runs at half the speed (the hardware prefetchers alone do not keep
+// up with this access pattern, though a plain sum reaches the read bandwidth); 8 / 16 KiB ahead
+// (limit raised to 256 rows) and prefetcht1 for K, V or both were no faster (t1: 7-23% slower);
+// blocks of 32 to 96 cells instead of 128 changed nothing. One cursor over each stream's lines (no
+// loop per row) saved 1-5% in cache but ran 12-20% slower at 32768 cells when it asked for four
+// K rows' lines before their V rows' lines, or for two lines of each alternately; asking row by
+// row (K row, then V row), as here, was the fastest order measured.
 constexpr int64_t kPrefetchBytes = 4096;
 constexpr int64_t kMaxQBlocks = kAttentionMaxHeadDim / 32;
 
@@ -442,9 +450,11 @@ HWY_INLINE void DotHeads2(DF df, const void* krow0, const void* krow1, const flo
 // 45 shuffles and adds and four 128-bit stores instead of two DotHeads2 reductions (52) and 16
 // scalar stores, which took 17% of a q8_0 decode (perf). Every dtype: on the Zen 5 of session 4
 // (history in cache, 1 thread) f16 decode got 6% (head_dim 128) to 17% (64) faster; an earlier
-// machine had measured f16 5% slower. Float K rows need D % kN == 0 (no tail handling here).
-// s[g * s_stride + r] receives row r, head g.
-// Blocks [a0 + a1, a2 + a3, b0 + b1, b2 + b3] of 128 bits.
+// machine had measured f16 5% slower. Session 10, f16 head_dim 128 at 32768 cells: DotHeads2
+// instead ran 2-7% faster (its loads walk two rows, not four, at a time) but 10-14% slower in
+// cache; taking four rows a quarter of the block apart (four sequential streams) was no faster.
+// Float K rows need D % kN == 0 (no tail handling here). s[g * s_stride + r] receives row r, head
+// g. Blocks [a0 + a1, a2 + a3, b0 + b1, b2 + b3] of 128 bits.
 HWY_INLINE VF BlockPairSums(VF a, VF b) {
   return VF{_mm512_add_ps(_mm512_shuffle_f32x4(a.raw, b.raw, 0x88),
                           _mm512_shuffle_f32x4(a.raw, b.raw, 0xDD))};
