@@ -453,8 +453,10 @@ HWY_INLINE void DotHeads2(DF df, const void* krow0, const void* krow1, const flo
 // machine had measured f16 5% slower. Session 10, f16 head_dim 128 at 32768 cells: DotHeads2
 // instead ran 2-7% faster (its loads walk two rows, not four, at a time) but 10-14% slower in
 // cache; taking four rows a quarter of the block apart (four sequential streams) was no faster.
-// Float K rows need D % kN == 0 (no tail handling here). s[g * s_stride + r] receives row r, head
-// g. Blocks [a0 + a1, a2 + a3, b0 + b1, b2 + b3] of 128 bits.
+// Float K rows need D % kN == 0 (no tail handling here). s[g * s_stride + r] receives row r,
+// head g.
+//
+// BlockPairSums: blocks [a0 + a1, a2 + a3, b0 + b1, b2 + b3] of 128 bits.
 HWY_INLINE VF BlockPairSums(VF a, VF b) {
   return VF{_mm512_add_ps(_mm512_shuffle_f32x4(a.raw, b.raw, 0x88),
                           _mm512_shuffle_f32x4(a.raw, b.raw, 0xDD))};
