@@ -15,6 +15,8 @@
 
 #include "core/cache.h"
 #include "core/crc32c.h"
+#include "core/kvcache_c.h"
+#include "core/kvcache_c_interop.h"
 #include "core/persistence.h"
 #include "core/sequence_cache.h"
 #include "fuzz_common.h"
@@ -56,6 +58,70 @@ Status InitCache(kv::Cache* c, const Shape& s) {
   cfg.padding = s.padding;
   KV_RETURN_IF_ERROR(c->SetConfig(cfg));
   return c->Init(s.dtype, s.seqs, s.capacity, s.batch);
+}
+
+// ---- the C API's side (inputs with bit 7 of the mode byte set) ----------------------------------
+// The same target is built twice, through kvc_* (kvc_init, kvc_reserve_layers, kvc_save,
+// kvc_load) and through C++, filled by the same calls, and the stream loaded into both: the C
+// call must return the C++ call's code with kvc_last_error() naming the C++ message, and both
+// targets must save to the same bytes before and after.
+
+struct CacheFree {
+  void operator()(kvc_cache* c) const { kvc_cache_free(c); }
+};
+using CHandle = std::unique_ptr<kvc_cache, CacheFree>;
+
+kvc_cache* NewCausalC(const Shape& s) {
+  switch (s.family) {
+    case 1:
+      return kvc_swa_new(s.window, nullptr);
+    case 2:
+      return kvc_swa_mem_new(s.window, s.memory, nullptr);
+    case 3:
+      return kvc_chunked_new(s.chunk, nullptr);
+    default:
+      return kvc_causal_new(nullptr);
+  }
+}
+
+// kvc_set_config + kvc_init (the allocator through the C++ object: C has no setter).
+kvc_code InitC(kvc_cache* c, const Shape& s) {
+  FUZZ_CHECK(kv::CacheFromC(c)->SetAllocator(kvfuzz::BudgetAllocator()).ok(), "SetAllocator");
+  kvc_config cfg = kvc_config_default();
+  cfg.padding = s.padding;
+  const kvc_code code = kvc_set_config(c, &cfg);
+  if (code != KVC_OK) return code;
+  return kvc_init(c, static_cast<kvc_dtype>(static_cast<int>(s.dtype)), s.seqs, s.capacity,
+                  s.batch);
+}
+
+// kvc_save of the whole cache, size query first.
+std::vector<uint8_t> SaveC(const kvc_cache* c) {
+  size_t size = 0;
+  FUZZ_CHECK(kvc_save(c, -1, nullptr, 0, &size) == KVC_OK, "kvc_save size: %s", kvc_last_error());
+  std::vector<uint8_t> out(size);
+  if (size > 0) {
+    size_t short_size = 0;
+    FUZZ_CHECK(kvc_save(c, -1, out.data(), size - 1, &short_size) == KVC_INVALID_ARGUMENT &&
+                   short_size == size,
+               "kvc_save into a short buffer");
+  }
+  size_t got = 0;
+  FUZZ_CHECK(kvc_save(c, -1, out.data(), size, &got) == KVC_OK && got == size, "kvc_save: %s",
+             kvc_last_error());
+  return out;
+}
+
+// A load's outcome through C against the same load through C++.
+void CheckSameOutcome(kvc_code c_code, const Status& cpp) {
+  FUZZ_CHECK(static_cast<int>(c_code) == static_cast<int>(cpp.code()),
+             "kvc_load returned %s, LoadCache %s (%s)", kvc_code_name(c_code),
+             kv::CodeName(cpp.code()), cpp.message());
+  if (!cpp.ok()) {
+    FUZZ_CHECK(std::strcmp(kvc_last_error(), cpp.message()) == 0,
+               "kvc_last_error() \"%s\" is not LoadCache's \"%s\"", kvc_last_error(),
+               cpp.message());
+  }
 }
 
 // A few forward passes with Puts into every layer.
@@ -114,7 +180,7 @@ void Damage(Reader& r, std::vector<uint8_t>* bytes) {
   }
 }
 
-void FuzzCausal(Reader& r, bool wrapper) {
+void FuzzCausal(Reader& r, bool wrapper, bool via_c) {
   Shape s;
   s.family = r.U8() % 4;
   s.window = r.Int(1, 6);
@@ -180,25 +246,59 @@ void FuzzCausal(Reader& r, bool wrapper) {
   if (r.OneIn(8)) ts.dtype = r.Pick(kDtypes), ts.head_dim = 32;
   if (r.OneIn(8)) ts.seqs = r.Int(1, 3);
   auto target = make();
-  if (!InitCache(target.get(), ts).ok()) return;
+  const bool init_ok = InitCache(target.get(), ts).ok();
+  CHandle c_target;  // via_c: the same target through the C API
+  if (via_c) {
+    if (wrapper) {
+      Shape swa = ts, causal = ts;
+      swa.family = 1;
+      causal.family = 0;
+      kvc_cache* kids[2] = {NewCausalC(swa), NewCausalC(causal)};
+      c_target.reset(kvc_wrapper_new(kids, 2));
+      FUZZ_CHECK(c_target != nullptr, "kvc_wrapper_new failed");
+    } else {
+      c_target.reset(NewCausalC(ts));
+    }
+    const kvc_code code = InitC(c_target.get(), ts);
+    FUZZ_CHECK((code == KVC_OK) == init_ok, "kvc_init: %s, C++ Init %s", kvc_code_name(code),
+               init_ok ? "succeeded" : "failed");
+  }
+  if (!init_ok) return;
   if (wrapper) {
     // A failed wrapper load restores earlier children but keeps storage they allocated (zeroed,
     // documented in core/persistence.h): allocate every layer up front so that "unchanged" is
     // byte-exact.
     auto* w = static_cast<kv::WrapperCache*>(target.get());
+    const int layers = std::max(s.layers, ts.layers);
     for (int i = 0; i < w->NumChildren(); ++i) {
-      (void)static_cast<kv::CausalCache*>(w->Child(i))
-          ->ReserveLayers(std::max(s.layers, ts.layers), ts.head_dim, ts.head_dim, ts.heads);
+      const Status rs = static_cast<kv::CausalCache*>(w->Child(i))
+                            ->ReserveLayers(layers, ts.head_dim, ts.head_dim, ts.heads);
+      if (via_c) {
+        const kvc_code rc = kvc_reserve_layers(kvc_wrapper_child(c_target.get(), i), layers,
+                                               ts.head_dim, ts.head_dim, ts.heads);
+        FUZZ_CHECK(static_cast<int>(rc) == static_cast<int>(rs.code()), "kvc_reserve_layers");
+      }
     }
   }
   const int target_passes = r.Int(0, 3);
+  if (via_c) {
+    Reader same = r;  // the same calls into the C target
+    Fill(kv::CacheFromC(c_target.get()), ts, same, target_passes);
+  }
   Fill(target.get(), ts, r, target_passes);
   std::vector<uint8_t> before;
   FUZZ_CHECK(save(*target, &before, -1).ok(), "SaveCache(target) failed");
+  if (via_c) FUZZ_CHECK(SaveC(c_target.get()) == before, "C and C++ targets differ before load");
   const Status st = load(stream, target.get(), seq < 0 ? -1 : dst);
   consistent(target.get());
   std::vector<uint8_t> after;
   FUZZ_CHECK(save(*target, &after, -1).ok(), "SaveCache(target) after load failed");
+  if (via_c) {
+    const kvc_code code =
+        kvc_load(c_target.get(), stream.data(), stream.size(), seq < 0 ? -1 : dst);
+    CheckSameOutcome(code, st);
+    FUZZ_CHECK(SaveC(c_target.get()) == after, "C and C++ targets differ after load");
+  }
   if (!st.ok()) {
     FUZZ_CHECK(before == after, "failing LoadCache (%s: %s) changed the target",
                kv::CodeName(st.code()), st.message());
@@ -266,7 +366,7 @@ void FuzzSequence(Reader& r) {
 
 // The encoder cache: images of fuzzed shapes and input dtypes in one or more sequences (shared or
 // per sequence, plain or permuted V, some from a reserve pass), saved whole or for one sequence.
-void FuzzEncoder(Reader& r) {
+void FuzzEncoder(Reader& r, bool via_c) {
   const DType in_dtypes[] = {DType::kF32, DType::kF16, DType::kBF16};
   kv::EncoderOptions opt;
   opt.per_sequence = r.OneIn(2);
@@ -322,13 +422,38 @@ void FuzzEncoder(Reader& r) {
   if (r.OneIn(8)) tdtype = r.Pick(kDtypes);
   if (r.OneIn(8)) tseqs = r.Int(1, 3);
   auto target = make(topt, tcfg, tdtype, tseqs);
-  fill(target.get(), tseqs, r.Int(0, 3));
+  CHandle c_target;  // via_c: the same target through the C API
+  if (via_c) {
+    c_target.reset(kvc_encoder_new_per_sequence(topt.per_sequence ? 1 : 0));
+    kvc_config ccfg = kvc_config_default();
+    ccfg.permuted_v = tcfg.permuted_v ? 1 : 0;
+    FUZZ_CHECK(kvc_set_config(c_target.get(), &ccfg) == KVC_OK &&
+                   kvc_init(c_target.get(), static_cast<kvc_dtype>(static_cast<int>(tdtype)), tseqs,
+                            16, 4) == KVC_OK,
+               "encoder kvc_init failed: %s", kvc_last_error());
+  }
+  const int target_passes = r.Int(0, 3);
+  if (via_c) {
+    Reader same = r;  // the same calls into the C target
+    auto* e = kv::EncoderFromC(c_target.get());
+    FUZZ_CHECK(e != nullptr, "EncoderFromC");
+    std::swap(r, same);
+    fill(e, tseqs, target_passes);
+    std::swap(r, same);
+  }
+  fill(target.get(), tseqs, target_passes);
   std::vector<uint8_t> before, after;
   FUZZ_CHECK(kv::SaveCache(*target, &before).ok(), "save encoder target");
+  if (via_c) FUZZ_CHECK(SaveC(c_target.get()) == before, "C and C++ encoders differ before load");
   const size_t mem_before = target->MemoryBytes();
   const int dst = seq < 0 ? -1 : r.Int(-1, tseqs - 1);
   const Status st = kv::LoadCache(stream, target.get(), dst);
   FUZZ_CHECK(kv::SaveCache(*target, &after).ok(), "save encoder target after load");
+  if (via_c) {
+    CheckSameOutcome(kvc_load(c_target.get(), stream.data(), stream.size(), dst), st);
+    FUZZ_CHECK(SaveC(c_target.get()) == after, "C and C++ encoders differ after load");
+    FUZZ_CHECK(kvc_memory_bytes(c_target.get()) == target->MemoryBytes(), "memory bytes differ");
+  }
   if (!st.ok()) {
     FUZZ_CHECK(before == after && target->MemoryBytes() == mem_before,
                "failing encoder LoadCache (%s: %s) changed the target", kv::CodeName(st.code()),
@@ -364,18 +489,20 @@ void FuzzEncoder(Reader& r) {
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   Reader r(data, size);
   kvfuzz::UseTarget(r.U8());
-  switch (r.U8() % 4) {
+  const uint8_t mode = r.U8();
+  const bool via_c = (mode & 0x80) != 0;  // also through the C API (not for sequence caches)
+  switch (mode % 4) {
     case 0:
-      FuzzCausal(r, false);
+      FuzzCausal(r, false, via_c);
       break;
     case 1:
-      FuzzCausal(r, true);
+      FuzzCausal(r, true, via_c);
       break;
     case 2:
       FuzzSequence(r);
       break;
     default:
-      FuzzEncoder(r);
+      FuzzEncoder(r, via_c);
       break;
   }
   hwy::SetSupportedTargetsForTest(0);
