@@ -243,11 +243,28 @@ struct Harness {
     return static_cast<kvc_code>(s.code());
   }
 
-  // A C call's result as the Status the C++ call would give (its message from kvc_last_error).
+  // Sets kvc_last_error() to a message none of this harness's calls can produce (it never calls
+  // kvc_save), so that a failing call which left an earlier message in place shows.
+  static std::string& Mark() {
+    static std::string mark;
+    return mark;
+  }
+  static void MarkLastError() {
+    FUZZ_CHECK(kvc_save(nullptr, -1, nullptr, 0, nullptr) != KVC_OK, "kvc_save(NULL) succeeded");
+    if (Mark().empty()) Mark() = kvc_last_error();
+  }
+  static bool IsMark(const char* message) { return Mark() == message; }
+
+  // A C call's result as the Status the C++ call would give (its message from kvc_last_error,
+  // which the call must have written).
   static Status FromC(const char* call, kvc_code code) {
     if (code == KVC_OK) return Status::Ok();
-    FUZZ_CHECK(kvc_last_error()[0] != '\0', "%s: code %d without a message", call, code);
-    return Status::Error(static_cast<Code>(code), "%s", kvc_last_error());
+    const char* message = kvc_last_error();
+    FUZZ_CHECK(message[0] != '\0', "%s: code %d without a message", call, code);
+    FUZZ_CHECK(!IsMark(message), "%s: code %d left the previous message in place", call, code);
+    const Status s = Status::Error(static_cast<Code>(code), "%s", message);
+    MarkLastError();
+    return s;
   }
 
   kv::History Get() {
@@ -350,6 +367,7 @@ struct Harness {
     const uint8_t kind_byte = r.U8();
     kind = (kind_byte & 0x7F) % 6;
     via_c = (kind_byte & 0x80) != 0;
+    if (via_c) MarkLastError();
     if (kind < 4) {
       Adopt(MakeCausal(r, kind));
       model = causal_model;
