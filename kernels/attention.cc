@@ -220,20 +220,31 @@ void PrefillTask(const Ctx& c, int64_t task) {
             for (int64_t t = j; t < n; ++t) tmp[t - j] = attn::MaskValue(c.mask, b, t0 + t);
             mv = hn::Load(df, tmp);
           }
-          x = hn::Add(x, mv);
+          // -inf hides the cell whatever its logit (a NaN from a hidden cell's K must not
+          // poison the row: the reference never looks at hidden cells).
+          const VF ninf = hn::Set(df, neg_inf);
+          x = hn::IfThenElse(hn::Eq(mv, ninf), ninf, hn::Add(x, mv));
         }
         const auto inside = hn::And(hn::Ge(idx, vvlo), hn::Lt(idx, vvhi));
         hn::Store(hn::IfThenElse(inside, x, hn::Set(df, neg_inf)), df, s + j);
       }
       VF vmax = hn::Set(df, neg_inf);
-      for (int64_t j = 0; j < kTC; j += kN) vmax = hn::Max(vmax, hn::Load(df, s + j));
+      VF nan_lanes = hn::Zero(df);  // all bits set in lanes that saw a NaN
+      for (int64_t j = 0; j < kTC; j += kN) {
+        const VF x = hn::Load(df, s + j);
+        vmax = hn::Max(vmax, x);
+        nan_lanes = hn::Or(nan_lanes, hn::VecFromMask(df, hn::IsNaN(x)));
+      }
+      const bool any_nan = !hn::AllFalse(df, hn::MaskFromVec(nan_lanes));
       const float m_blk = hn::GetLane(hn::MaxOfLanes(df, vmax));
-      if (m_blk == neg_inf) {  // nothing visible to this row here
+      if (m_blk == neg_inf && !any_nan) {  // nothing visible to this row here
         for (int64_t j = 0; j < kTC; ++j) s[j] = 0.0f;
         continue;
       }
+      // A NaN logit poisons the row (as in decode's SoftmaxStep): m, acc and l become NaN.
       const float m_old = row[c.Dvp];
-      const float m_new = std::max(m_old, m_blk);
+      const float m_new =
+          any_nan ? std::numeric_limits<float>::quiet_NaN() : std::max(m_old, m_blk);
       const VF vm = hn::Set(df, m_new);
       const VF vninf = hn::Set(df, neg_inf);
       const VF vlow = hn::Set(df, -std::numeric_limits<float>::max());
@@ -266,6 +277,10 @@ void PrefillTask(const Ctx& c, int64_t task) {
     float* o = static_cast<float*>(RowPtr(c.out, b, hq));
     float m = row[c.Dvp];
     float l = row[c.Dvp + 1];
+    if (std::isnan(m)) {  // a NaN logit
+      for (int64_t i = 0; i < c.Dv; ++i) o[i] = std::numeric_limits<float>::quiet_NaN();
+      continue;
+    }
     float w = 1.0f;
     if (c.p.sinks != nullptr) {
       const float mm = std::max(m, c.p.sinks[hq]);

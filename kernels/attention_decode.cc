@@ -710,16 +710,27 @@ HWY_INLINE void ShapeScores(DF df, const Ctx& c, int64_t b, int64_t c0, int64_t 
 }
 
 // One online-softmax step for one head over n scores: turns s into p, rescales the state.
-// state: acc[0..Dvp), then m at [Dvp], l at [Dvp + 1]. Precondition: n >= 1, all s finite.
+// state: acc[0..Dvp), then m at [Dvp], l at [Dvp + 1]. Precondition: n >= 1, no s is -inf.
+// A NaN score (NaN or inf * 0 in Q or K) poisons the state: m becomes NaN, which rescales acc
+// and l to NaN here and in every later step, and the merge writes a NaN row (as the reference).
 HWY_INLINE void SoftmaxStep(DF df, int64_t n, int64_t Dvp, float* s, float* state) {
   const float neg_inf = -std::numeric_limits<float>::infinity();
   VF vmax = hn::Set(df, neg_inf);
+  VF nan_lanes = hn::Zero(df);  // all bits set in lanes that saw a NaN
   int64_t j = 0;
-  for (; j + static_cast<int64_t>(kN) <= n; j += kN) vmax = hn::Max(vmax, hn::Load(df, s + j));
+  for (; j + static_cast<int64_t>(kN) <= n; j += kN) {
+    const VF x = hn::Load(df, s + j);
+    vmax = hn::Max(vmax, x);
+    nan_lanes = hn::Or(nan_lanes, hn::VecFromMask(df, hn::IsNaN(x)));
+  }
   float m_blk = hn::GetLane(hn::MaxOfLanes(df, vmax));
-  for (; j < n; ++j) m_blk = std::max(m_blk, s[j]);
+  bool any_nan = !hn::AllFalse(df, hn::MaskFromVec(nan_lanes));
+  for (; j < n; ++j) {
+    m_blk = std::max(m_blk, s[j]);
+    any_nan = any_nan || std::isnan(s[j]);
+  }
   const float m_old = state[Dvp];
-  const float m_new = std::max(m_old, m_blk);
+  const float m_new = any_nan ? std::numeric_limits<float>::quiet_NaN() : std::max(m_old, m_blk);
   const VF vm = hn::Set(df, m_new);
   const VF vlow = hn::Set(df, -std::numeric_limits<float>::max());
   VF vsum = hn::Zero(df);
@@ -1016,8 +1027,16 @@ void DecodeMerge(const Ctx& c) {
         return c.partials + ((h * c.n_chunks + chunk) * c.B * c.G + b * c.G + g) * rs;
       };
       float m = c.p.sinks != nullptr ? c.p.sinks[hq] : neg_inf;
-      for (int64_t ch = 0; ch < c.n_chunks; ++ch) m = std::max(m, row_of(ch)[c.Dvp]);
+      bool poisoned = false;  // a chunk saw a NaN logit (SoftmaxStep)
+      for (int64_t ch = 0; ch < c.n_chunks; ++ch) {
+        m = std::max(m, row_of(ch)[c.Dvp]);
+        poisoned = poisoned || std::isnan(row_of(ch)[c.Dvp]);
+      }
       float* o = static_cast<float*>(RowPtr(c.out, b, hq));
+      if (poisoned) {
+        for (int64_t i = 0; i < c.Dv; ++i) o[i] = std::numeric_limits<float>::quiet_NaN();
+        continue;
+      }
       if (m == neg_inf) {
         for (int64_t i = 0; i < c.Dv; ++i) o[i] = 0.0f;
         continue;
