@@ -229,22 +229,23 @@ void PrefillTask(const Ctx& c, int64_t task) {
         hn::Store(hn::IfThenElse(inside, x, hn::Set(df, neg_inf)), df, s + j);
       }
       VF vmax = hn::Set(df, neg_inf);
-      VF nan_lanes = hn::Zero(df);  // all bits set in lanes that saw a NaN
+      const VF vinf = hn::Set(df, std::numeric_limits<float>::infinity());
+      VF bad_lanes = hn::Zero(df);  // all bits set in lanes that saw a NaN or +inf
       for (int64_t j = 0; j < kTC; j += kN) {
         const VF x = hn::Load(df, s + j);
         vmax = hn::Max(vmax, x);
-        nan_lanes = hn::Or(nan_lanes, hn::VecFromMask(df, hn::IsNaN(x)));
+        bad_lanes = hn::Or(bad_lanes, hn::VecFromMask(df, hn::Not(hn::Lt(x, vinf))));
       }
-      const bool any_nan = !hn::AllFalse(df, hn::MaskFromVec(nan_lanes));
+      const bool poisoned = !hn::AllFalse(df, hn::MaskFromVec(bad_lanes));
       const float m_blk = hn::GetLane(hn::MaxOfLanes(df, vmax));
-      if (m_blk == neg_inf && !any_nan) {  // nothing visible to this row here
+      if (m_blk == neg_inf && !poisoned) {  // nothing visible to this row here
         for (int64_t j = 0; j < kTC; ++j) s[j] = 0.0f;
         continue;
       }
-      // A NaN logit poisons the row (as in decode's SoftmaxStep): m, acc and l become NaN.
+      // A NaN or +inf logit poisons the row (as in decode's SoftmaxStep): m, acc, l become NaN.
       const float m_old = row[c.Dvp];
       const float m_new =
-          any_nan ? std::numeric_limits<float>::quiet_NaN() : std::max(m_old, m_blk);
+          poisoned ? std::numeric_limits<float>::quiet_NaN() : std::max(m_old, m_blk);
       const VF vm = hn::Set(df, m_new);
       const VF vninf = hn::Set(df, neg_inf);
       const VF vlow = hn::Set(df, -std::numeric_limits<float>::max());
@@ -277,7 +278,7 @@ void PrefillTask(const Ctx& c, int64_t task) {
     float* o = static_cast<float*>(RowPtr(c.out, b, hq));
     float m = row[c.Dvp];
     float l = row[c.Dvp + 1];
-    if (std::isnan(m)) {  // a NaN logit
+    if (std::isnan(m)) {  // a NaN or +inf logit
       for (int64_t i = 0; i < c.Dv; ++i) o[i] = std::numeric_limits<float>::quiet_NaN();
       continue;
     }

@@ -711,26 +711,27 @@ HWY_INLINE void ShapeScores(DF df, const Ctx& c, int64_t b, int64_t c0, int64_t 
 
 // One online-softmax step for one head over n scores: turns s into p, rescales the state.
 // state: acc[0..Dvp), then m at [Dvp], l at [Dvp + 1]. Precondition: n >= 1, no s is -inf.
-// A NaN score (NaN or inf * 0 in Q or K) poisons the state: m becomes NaN, which rescales acc
+// A NaN or +inf score (inf or NaN in Q or K) poisons the state: m becomes NaN, which rescales acc
 // and l to NaN here and in every later step, and the merge writes a NaN row (as the reference).
 HWY_INLINE void SoftmaxStep(DF df, int64_t n, int64_t Dvp, float* s, float* state) {
   const float neg_inf = -std::numeric_limits<float>::infinity();
+  const VF vinf = hn::Set(df, std::numeric_limits<float>::infinity());
   VF vmax = hn::Set(df, neg_inf);
-  VF nan_lanes = hn::Zero(df);  // all bits set in lanes that saw a NaN
+  VF bad_lanes = hn::Zero(df);  // all bits set in lanes that saw a NaN or +inf
   int64_t j = 0;
   for (; j + static_cast<int64_t>(kN) <= n; j += kN) {
     const VF x = hn::Load(df, s + j);
     vmax = hn::Max(vmax, x);
-    nan_lanes = hn::Or(nan_lanes, hn::VecFromMask(df, hn::IsNaN(x)));
+    bad_lanes = hn::Or(bad_lanes, hn::VecFromMask(df, hn::Not(hn::Lt(x, vinf))));
   }
   float m_blk = hn::GetLane(hn::MaxOfLanes(df, vmax));
-  bool any_nan = !hn::AllFalse(df, hn::MaskFromVec(nan_lanes));
+  bool poisoned = !hn::AllFalse(df, hn::MaskFromVec(bad_lanes));
   for (; j < n; ++j) {
     m_blk = std::max(m_blk, s[j]);
-    any_nan = any_nan || std::isnan(s[j]);
+    poisoned = poisoned || !(s[j] < std::numeric_limits<float>::infinity());
   }
   const float m_old = state[Dvp];
-  const float m_new = any_nan ? std::numeric_limits<float>::quiet_NaN() : std::max(m_old, m_blk);
+  const float m_new = poisoned ? std::numeric_limits<float>::quiet_NaN() : std::max(m_old, m_blk);
   const VF vm = hn::Set(df, m_new);
   const VF vlow = hn::Set(df, -std::numeric_limits<float>::max());
   VF vsum = hn::Zero(df);
@@ -1027,7 +1028,7 @@ void DecodeMerge(const Ctx& c) {
         return c.partials + ((h * c.n_chunks + chunk) * c.B * c.G + b * c.G + g) * rs;
       };
       float m = c.p.sinks != nullptr ? c.p.sinks[hq] : neg_inf;
-      bool poisoned = false;  // a chunk saw a NaN logit (SoftmaxStep)
+      bool poisoned = false;  // a chunk saw a NaN or +inf logit (SoftmaxStep)
       for (int64_t ch = 0; ch < c.n_chunks; ++ch) {
         m = std::max(m, row_of(ch)[c.Dvp]);
         poisoned = poisoned || std::isnan(row_of(ch)[c.Dvp]);

@@ -52,7 +52,9 @@ void AttentionRef(const TensorView& q, const TensorView& k, const TensorView& v,
     for (int64_t b = 0; b < B; ++b) {
       const float* qrow = static_cast<const float*>(RowPtr(q, b, hq));
       double m = neg_inf;
-      bool nan_logit = false;  // NaN in Q or K (or inf * 0): the row's output is NaN
+      // A NaN or +inf logit (inf or NaN in Q or K) makes the row's output NaN: the softmax has no
+      // finite value there (+inf - +inf), and a NaN row shows it instead of hiding it.
+      bool poisoned = false;
       for (int64_t j = 0; j < L; ++j) {
         const float mv = MaskAt(mask, b, j);
         if (std::isinf(mv) && mv < 0) {
@@ -65,13 +67,13 @@ void AttentionRef(const TensorView& q, const TensorView& k, const TensorView& v,
         double logit = params.scale * dot;
         if (params.softcap != 0) logit = params.softcap * std::tanh(logit / params.softcap);
         s[j] = logit + mv;
-        nan_logit = nan_logit || std::isnan(s[j]);
+        poisoned = poisoned || !(s[j] < std::numeric_limits<double>::infinity());
         m = std::max(m, s[j]);
       }
       const bool has_sink = params.sinks != nullptr;
       if (has_sink) m = std::max(m, static_cast<double>(params.sinks[hq]));
       float* orow = static_cast<float*>(RowPtr(*out, b, hq));
-      if (nan_logit) {
+      if (poisoned) {
         for (int64_t d = 0; d < Dv; ++d) orow[d] = std::numeric_limits<float>::quiet_NaN();
         continue;
       }

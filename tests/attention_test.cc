@@ -633,59 +633,65 @@ TEST_P(AttentionTest, IntegerKNonFiniteQuery) {
   }
 }
 
-// A NaN in a visible cell's K (an f16 element, a q8_0 block scale) makes the logits of that KV
-// head's query heads NaN, and their output rows NaN, as in the double reference, in every mode:
-// decode on 1 thread and split into chunks on 2 (the merge), prefill, the integer passes. A NaN
-// in a hidden cell (mask -inf) changes nothing. Before: the softmax's max dropped NaN lanes
-// depending on their position, the kernels gave finite rows and the reference zeros.
-TEST_P(AttentionTest, NaNLogitPoisonsItsRow) {
+// A NaN or +inf in a visible cell's K (an f16 element, a q8_0 block scale) gives NaN or +inf
+// logits for that KV head's query heads, and their output rows are NaN, as in the double
+// reference, in every mode: decode on 1 thread and split into chunks on 2 (the merge), prefill,
+// the integer passes. A NaN in a hidden cell (mask -inf) changes nothing. Before: the reference
+// zeroed such rows, decode gave finite rows for NaN (the softmax's max dropped NaN lanes by
+// position) and NaN for +inf, prefill zeros for +inf.
+TEST_P(AttentionTest, NonFiniteLogitPoisonsItsRow) {
   for (DType dt : {DType::kF16, DType::kQ8_0}) {
-    SCOPED_TRACE(std::string(DTypeName(dt)) + " target=" + TargetNow());
-    constexpr int D = 64, Hkv = 2, G = 4, B = 2, L = 2048, Hq = Hkv * G;
-    constexpr int kNanCell = 1500, kHiddenCell = 700;
-    std::mt19937 rng(81u);
-    TestHistory h = MakeHistory(dt, D, D, Hkv, L, false, rng);
-    const uint16_t nan_bits = 0x7E00;
-    for (int head = 0; head < Hkv; ++head) {  // head 1: a visible cell; both: a hidden one
-      const int cell = head == 1 ? kNanCell : kHiddenCell;
-      char* row = static_cast<char*>(RowPtr(h.k, head, cell));
-      std::memcpy(dt == DType::kF16 ? row + 2 * 37 : row + BlockBytes(dt), &nan_bits, 2);
-    }
-    std::vector<float> mask(static_cast<size_t>(L) * B, 0.0f);
-    for (int b = 0; b < B; ++b) {
-      mask[static_cast<size_t>(b) * L + kHiddenCell] = -std::numeric_limits<float>::infinity();
-    }
-    const TensorView mv = MakeView(mask.data(), DType::kF32, {L, B});
-    std::vector<float> q(static_cast<size_t>(D) * B * Hq);
-    std::uniform_real_distribution<float> u(-1.0f, 1.0f);
-    for (float& x : q) x = u(rng);
-    const TensorView qv = MakeView(q.data(), DType::kF32, {D, B, Hq});
-    std::vector<float> out(q.size()), ref(q.size());
-    TensorView ov = MakeView(out.data(), DType::kF32, {D, B, Hq});
-    TensorView rv = MakeView(ref.data(), DType::kF32, {D, B, Hq});
-    kernels::AttentionKernelParams kp;
-    kp.scale = 0.125f;
-    kernels::AttentionRef(qv, h.k, h.v, mv, kp, &rv);
-    // Output [D, B, Hq]: query heads G .. 2G - 1 belong to KV head 1.
-    const auto poisoned = [&](size_t i) { return static_cast<int>(i / D / B) >= G; };
-    for (size_t i = 0; i < ref.size(); ++i) {
-      ASSERT_EQ(std::isnan(ref[i]), poisoned(i)) << i << " ref=" << ref[i];
-    }
-    ThreadPool pool(2);
-    const ParallelFor p2 = pool.AsParallelFor();
-    for (int run = 0; run < 5; ++run) {
-      if (run == 4 && dt == DType::kF16) continue;
-      SCOPED_TRACE("run " + std::to_string(run));
-      kernels::ParallelForFn pf;
-      if (run == 1) pf = {p2.run, p2.user, p2.num_threads};
-      kp.mode = run == 2 ? AttentionMode::kPrefill : AttentionMode::kDecode;
-      kp.integer_k = kp.integer_v = run >= 3;
-      std::fill(out.begin(), out.end(), 12345.0f);
-      kernels::Attention(qv, h.k, h.v, mv, kp, pf, &ov);
-      for (size_t i = 0; i < out.size(); ++i) {
-        ASSERT_EQ(std::isnan(out[i]), poisoned(i)) << i << " out=" << out[i];
-        if (!poisoned(i)) {
-          ASSERT_NEAR(out[i], ref[i], 2e-3) << i;
+    for (const char* stored : {"nan", "inf"}) {
+      SCOPED_TRACE(std::string(DTypeName(dt)) + " " + stored + " target=" + TargetNow());
+      constexpr int D = 64, Hkv = 2, G = 4, B = 2, L = 2048, Hq = Hkv * G;
+      constexpr int kBadCell = 1500, kHiddenCell = 700, kElem = 37;
+      std::mt19937 rng(81u);
+      TestHistory h = MakeHistory(dt, D, D, Hkv, L, false, rng);
+      const uint16_t bits = stored[0] == 'n' ? 0x7E00 : 0x7C00;
+      for (int head = 0; head < Hkv; ++head) {  // head 1: a visible cell; both: a hidden one
+        const int cell = head == 1 ? kBadCell : kHiddenCell;
+        char* row = static_cast<char*>(RowPtr(h.k, head, cell));
+        std::memcpy(dt == DType::kF16 ? row + 2 * kElem : row + BlockBytes(dt), &bits, 2);
+      }
+      std::vector<float> mask(static_cast<size_t>(L) * B, 0.0f);
+      for (int b = 0; b < B; ++b) {
+        mask[static_cast<size_t>(b) * L + kHiddenCell] = -std::numeric_limits<float>::infinity();
+      }
+      const TensorView mv = MakeView(mask.data(), DType::kF32, {L, B});
+      // Q [D, B, Hq], element kElem > 0: an f16 +inf gives +inf logits (q8_0's inf scale times
+      // its codes gives +inf and -inf, whose sum is NaN, whatever q is).
+      std::vector<float> q(static_cast<size_t>(D) * B * Hq);
+      std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+      for (size_t i = 0; i < q.size(); ++i)
+        q[i] = i % D == kElem ? 0.1f + std::fabs(u(rng)) : u(rng);
+      const TensorView qv = MakeView(q.data(), DType::kF32, {D, B, Hq});
+      std::vector<float> out(q.size()), ref(q.size());
+      TensorView ov = MakeView(out.data(), DType::kF32, {D, B, Hq});
+      TensorView rv = MakeView(ref.data(), DType::kF32, {D, B, Hq});
+      kernels::AttentionKernelParams kp;
+      kp.scale = 0.125f;
+      kernels::AttentionRef(qv, h.k, h.v, mv, kp, &rv);
+      // Output [D, B, Hq]: query heads G .. 2G - 1 belong to KV head 1.
+      const auto poisoned = [&](size_t i) { return static_cast<int>(i / D / B) >= G; };
+      for (size_t i = 0; i < ref.size(); ++i) {
+        ASSERT_EQ(std::isnan(ref[i]), poisoned(i)) << i << " ref=" << ref[i];
+      }
+      ThreadPool pool(2);
+      const ParallelFor p2 = pool.AsParallelFor();
+      for (int run = 0; run < 5; ++run) {
+        if (run == 4 && dt == DType::kF16) continue;
+        SCOPED_TRACE("run " + std::to_string(run));
+        kernels::ParallelForFn pf;
+        if (run == 1) pf = {p2.run, p2.user, p2.num_threads};
+        kp.mode = run == 2 ? AttentionMode::kPrefill : AttentionMode::kDecode;
+        kp.integer_k = kp.integer_v = run >= 3;
+        std::fill(out.begin(), out.end(), 12345.0f);
+        kernels::Attention(qv, h.k, h.v, mv, kp, pf, &ov);
+        for (size_t i = 0; i < out.size(); ++i) {
+          ASSERT_EQ(std::isnan(out[i]), poisoned(i)) << i << " out=" << out[i];
+          if (!poisoned(i)) {
+            ASSERT_NEAR(out[i], ref[i], 2e-3) << i;
+          }
         }
       }
     }
