@@ -38,7 +38,9 @@ struct AttentionParams {
 // (GQA): query head h reads KV head h / (n_heads / kv_heads). Reads any storage dtype and either V
 // layout (plain when v.ne[2] == k.ne[2], permuted when v.ne[0] == k.ne[2]); logits = scale * q.k,
 // then softcap, then + mask; cells masked -inf contribute nothing; a row with no visible cell (and
-// no sink) outputs 0.
+// no sink) outputs 0. A visible cell whose logit is NaN or +inf (inf or NaN in q or in a stored
+// K) makes its (row, head) output NaN: the softmax has no finite value there, and NaN shows it.
+// Stored inf / NaN in V reaches the outputs that weigh that cell, as in plain arithmetic.
 //
 // Accepted views (kInvalidArgument otherwise, kNotSupported for the combinations noted):
 //   q   [D, B, Hq] f32, dim 0 packed; out [Dv, B, Hq] f32, dim 0 packed; other strides free.

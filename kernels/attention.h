@@ -15,6 +15,9 @@
 //                     value is added to the logit, -inf hides the cell.
 //   out  [Dv, B, Hq]  f32, nb[0] == 4.
 // K and V share one dtype. Query head h reads KV head h / (Hq / Hkv).
+// Non-finite values: a visible cell with a NaN or +inf logit makes its (row, head) output NaN in
+// every path (decode, its merge, prefill, the integer passes, the reference); hidden cells are
+// never looked at.
 //
 // Memory traffic (bytes of K+V read per call; R = bytes of one K plus one V row in the storage
 // dtype, visible(b) = cells visible to batch row b):
