@@ -596,9 +596,8 @@ TEST_P(AttentionTest, IntegerKAgainstTheF32Pass) {
 }
 
 // A NaN or inf in a query row: the integer K pass must hand that row to the f32 pass (its step is
-// NaN), so that head's outputs are the f32 pass's, bit for bit (NaN logits hide their cells there,
-// as in the double reference: zeros; inf gives non-finite outputs). A NaN element once slipped
-// through the row's max|q| (std::max ignores it) and gave other, finite outputs.
+// NaN), so that head's outputs are the f32 pass's (a NaN row, NonFiniteLogitPoisonsItsRow). A NaN
+// element once slipped through the row's max|q| (std::max ignores it) and gave finite outputs.
 TEST_P(AttentionTest, IntegerKNonFiniteQuery) {
   SCOPED_TRACE("target=" + TargetNow());
   constexpr int D = SmallDecode::D, Hkv = SmallDecode::Hkv, L = SmallDecode::L;
