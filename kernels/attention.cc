@@ -228,24 +228,15 @@ void PrefillTask(const Ctx& c, int64_t task) {
         const auto inside = hn::And(hn::Ge(idx, vvlo), hn::Lt(idx, vvhi));
         hn::Store(hn::IfThenElse(inside, x, hn::Set(df, neg_inf)), df, s + j);
       }
-      VF vmax = hn::Set(df, neg_inf);
-      const VF vinf = hn::Set(df, std::numeric_limits<float>::infinity());
-      VF bad_lanes = hn::Zero(df);  // all bits set in lanes that saw a NaN or +inf
-      for (int64_t j = 0; j < kTC; j += kN) {
-        const VF x = hn::Load(df, s + j);
-        vmax = hn::Max(vmax, x);
-        bad_lanes = hn::Or(bad_lanes, hn::VecFromMask(df, hn::Not(hn::Lt(x, vinf))));
-      }
-      const bool poisoned = !hn::AllFalse(df, hn::MaskFromVec(bad_lanes));
-      const float m_blk = hn::GetLane(hn::MaxOfLanes(df, vmax));
-      if (m_blk == neg_inf && !poisoned) {  // nothing visible to this row here
+      const ScoreScan scan = ScanScores(df, s, kTC);
+      if (scan.max == neg_inf && !scan.poisoned) {  // nothing visible to this row here
         for (int64_t j = 0; j < kTC; ++j) s[j] = 0.0f;
         continue;
       }
       // A NaN or +inf logit poisons the row (as in decode's SoftmaxStep): m, acc, l become NaN.
       const float m_old = row[c.Dvp];
       const float m_new =
-          poisoned ? std::numeric_limits<float>::quiet_NaN() : std::max(m_old, m_blk);
+          scan.poisoned ? std::numeric_limits<float>::quiet_NaN() : std::max(m_old, scan.max);
       const VF vm = hn::Set(df, m_new);
       const VF vninf = hn::Set(df, neg_inf);
       const VF vlow = hn::Set(df, -std::numeric_limits<float>::max());
@@ -276,25 +267,8 @@ void PrefillTask(const Ctx& c, int64_t task) {
     const int64_t hq = h * c.G + r % c.G;
     const float* row = st + r * rs;
     float* o = static_cast<float*>(RowPtr(c.out, b, hq));
-    float m = row[c.Dvp];
-    float l = row[c.Dvp + 1];
-    if (std::isnan(m)) {  // a NaN or +inf logit
-      for (int64_t i = 0; i < c.Dv; ++i) o[i] = std::numeric_limits<float>::quiet_NaN();
-      continue;
-    }
-    float w = 1.0f;
-    if (c.p.sinks != nullptr) {
-      const float mm = std::max(m, c.p.sinks[hq]);
-      w = m == neg_inf ? 0.0f : std::exp(m - mm);
-      l = l * w + std::exp(c.p.sinks[hq] - mm);
-      m = mm;
-    }
-    if (m == neg_inf || !(l > 0)) {
-      for (int64_t i = 0; i < c.Dv; ++i) o[i] = 0.0f;
-      continue;
-    }
-    const float f = w / l;
-    for (int64_t i = 0; i < c.Dv; ++i) o[i] = row[i] * f;
+    attn::FinishRow(row, row[c.Dvp], row[c.Dvp + 1],
+                    c.p.sinks != nullptr ? &c.p.sinks[hq] : nullptr, c.Dv, o);
   }
 }
 

@@ -534,16 +534,16 @@ HWY_INLINE __m512i PairDotMem(__m512i sum, __m512i a, const int16_t* b) {
 // unpacklo / unpackhi widen a 128-bit lane's codes). Returns the step, NaN for a non-finite row.
 HWY_INLINE float QuantizeQueryRow(const float* q, int64_t D, int16_t* out) {
   const DF df;
-  // max|q|, and x * 0 summed: NaN when any element is inf or NaN (x86's max drops a NaN operand).
-  VF vmax = hn::Zero(df), poison = hn::Zero(df);
+  // max|q| cannot flag the row by itself: x86's max drops a NaN operand, and -inf must be caught
+  // too (it is not a bad logit for the softmax, but it is not a representable query here).
+  VF vmax = hn::Zero(df);
+  bool finite = true;
   for (int64_t i = 0; i < D; i += kN) {
     const VF x = hn::LoadU(df, q + i);
     vmax = hn::Max(vmax, hn::Abs(x));
-    poison = hn::MulAdd(x, hn::Zero(df), poison);
+    finite &= hn::AllTrue(df, hn::IsFinite(x));
   }
-  if (std::isnan(hn::GetLane(hn::SumOfLanes(df, poison)))) {
-    return std::numeric_limits<float>::quiet_NaN();
-  }
+  if (!finite) return std::numeric_limits<float>::quiet_NaN();
   const float m = hn::GetLane(hn::MaxOfLanes(df, vmax));
   const VF inv = hn::Set(df, m > 0.0f ? 32767.0f / m : 0.0f);
   const hn::Rebind<int16_t, DF> d16;
@@ -714,28 +714,14 @@ HWY_INLINE void ShapeScores(DF df, const Ctx& c, int64_t b, int64_t c0, int64_t 
 // A NaN or +inf score (inf or NaN in Q or K) poisons the state: m becomes NaN, which rescales acc
 // and l to NaN here and in every later step, and the merge writes a NaN row (as the reference).
 HWY_INLINE void SoftmaxStep(DF df, int64_t n, int64_t Dvp, float* s, float* state) {
-  const float neg_inf = -std::numeric_limits<float>::infinity();
-  const VF vinf = hn::Set(df, std::numeric_limits<float>::infinity());
-  VF vmax = hn::Set(df, neg_inf);
-  VF bad_lanes = hn::Zero(df);  // all bits set in lanes that saw a NaN or +inf
-  int64_t j = 0;
-  for (; j + static_cast<int64_t>(kN) <= n; j += kN) {
-    const VF x = hn::Load(df, s + j);
-    vmax = hn::Max(vmax, x);
-    bad_lanes = hn::Or(bad_lanes, hn::VecFromMask(df, hn::Not(hn::Lt(x, vinf))));
-  }
-  float m_blk = hn::GetLane(hn::MaxOfLanes(df, vmax));
-  bool poisoned = !hn::AllFalse(df, hn::MaskFromVec(bad_lanes));
-  for (; j < n; ++j) {
-    m_blk = std::max(m_blk, s[j]);
-    poisoned = poisoned || !(s[j] < std::numeric_limits<float>::infinity());
-  }
+  const ScoreScan scan = ScanScores(df, s, n);
   const float m_old = state[Dvp];
-  const float m_new = poisoned ? std::numeric_limits<float>::quiet_NaN() : std::max(m_old, m_blk);
+  const float m_new =
+      scan.poisoned ? std::numeric_limits<float>::quiet_NaN() : std::max(m_old, scan.max);
   const VF vm = hn::Set(df, m_new);
   const VF vlow = hn::Set(df, -std::numeric_limits<float>::max());
   VF vsum = hn::Zero(df);
-  for (j = 0; j < n; j += kN) {
+  for (int64_t j = 0; j < n; j += kN) {
     // Clamped: Exp is valid on [-FLT_MAX, 104]; a difference of extreme logits may reach -inf.
     VF e = hn::Exp(df, hn::Max(hn::Sub(hn::Load(df, s + j), vm), vlow));
     if (j + static_cast<int64_t>(kN) > n) e = hn::IfThenElseZero(hn::FirstN(df, n - j), e);
@@ -1027,41 +1013,38 @@ void DecodeMerge(const Ctx& c) {
       auto row_of = [&](int64_t chunk) {
         return c.partials + ((h * c.n_chunks + chunk) * c.B * c.G + b * c.G + g) * rs;
       };
-      float m = c.p.sinks != nullptr ? c.p.sinks[hq] : neg_inf;
-      bool poisoned = false;  // a chunk saw a NaN or +inf logit (SoftmaxStep)
+      float m = neg_inf;
+      bool poisoned = false;  // a chunk saw a NaN or +inf logit (SoftmaxStep); max drops NaN
       for (int64_t ch = 0; ch < c.n_chunks; ++ch) {
         m = std::max(m, row_of(ch)[c.Dvp]);
         poisoned = poisoned || std::isnan(row_of(ch)[c.Dvp]);
       }
-      float* o = static_cast<float*>(RowPtr(c.out, b, hq));
-      if (poisoned) {
-        for (int64_t i = 0; i < c.Dv; ++i) o[i] = std::numeric_limits<float>::quiet_NaN();
-        continue;
-      }
-      if (m == neg_inf) {
-        for (int64_t i = 0; i < c.Dv; ++i) o[i] = 0.0f;
-        continue;
-      }
-      float l = c.p.sinks != nullptr ? std::exp(c.p.sinks[hq] - m) : 0.0f;
-      // Accumulate into chunk 0's row (this merge owns the partials now).
+      // Every chunk's (acc, l) rescaled to the common max, summed into chunk 0's row (this merge
+      // owns the partials now). A chunk that saw no visible cell has m = -inf and weighs 0.
       float* acc = row_of(0);
-      const float w0 = acc[c.Dvp] == neg_inf ? 0.0f : std::exp(acc[c.Dvp] - m);
-      l += w0 * acc[c.Dvp + 1];
-      for (int64_t i = 0; i < c.Dvp; i += kN) {
-        hn::Store(hn::Mul(hn::Load(df, acc + i), hn::Set(df, w0)), df, acc + i);
-      }
-      for (int64_t ch = 1; ch < c.n_chunks; ++ch) {
-        const float* r = row_of(ch);
-        if (r[c.Dvp] == neg_inf) continue;
-        const float w = std::exp(r[c.Dvp] - m);
-        l += w * r[c.Dvp + 1];
-        for (int64_t i = 0; i < c.Dvp; i += kN) {
-          hn::Store(hn::MulAdd(hn::Load(df, r + i), hn::Set(df, w), hn::Load(df, acc + i)), df,
-                    acc + i);
+      float l = 0.0f;
+      if (!poisoned && m != neg_inf) {
+        for (int64_t ch = 0; ch < c.n_chunks; ++ch) {
+          const float* r = row_of(ch);
+          if (ch > 0 && r[c.Dvp] == neg_inf) continue;
+          const float w = r[c.Dvp] == neg_inf ? 0.0f : std::exp(r[c.Dvp] - m);
+          l += w * r[c.Dvp + 1];
+          if (ch == 0) {
+            if (w != 1.0f) {  // x * 1 == x for every x: skipping is exact
+              for (int64_t i = 0; i < c.Dvp; i += kN)
+                hn::Store(hn::Mul(hn::Load(df, acc + i), hn::Set(df, w)), df, acc + i);
+            }
+          } else {
+            for (int64_t i = 0; i < c.Dvp; i += kN) {
+              hn::Store(hn::MulAdd(hn::Load(df, r + i), hn::Set(df, w), hn::Load(df, acc + i)), df,
+                        acc + i);
+            }
+          }
         }
       }
-      const float inv = l > 0 ? 1.0f / l : 0.0f;
-      for (int64_t i = 0; i < c.Dv; ++i) o[i] = acc[i] * inv;
+      attn::FinishRow(acc, poisoned ? std::numeric_limits<float>::quiet_NaN() : m, l,
+                      c.p.sinks != nullptr ? &c.p.sinks[hq] : nullptr, c.Dv,
+                      static_cast<float*>(RowPtr(c.out, b, hq)));
     }
   }
 }

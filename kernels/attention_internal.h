@@ -5,8 +5,10 @@
 #define KVCACHE_KERNELS_ATTENTION_INTERNAL_H_
 
 #include <algorithm>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 
 #include "hwy/aligned_allocator.h"
 #include "kernels/attention.h"
@@ -62,6 +64,32 @@ inline float* ThreadScratch(size_t floats, int which) {
 // mask[b * L + j]: row b (batch token), cell j.
 inline float MaskValue(const TensorView& mask, int64_t b, int64_t j) {
   return ElementAsF32(mask, j, b);
+}
+
+// Writes one output row o[0..Dv) from the online softmax's final state over the visible cells:
+// acc[0..Dv) (the weighted sum of V rows, weights relative to the running max m) and l (the sum
+// of those weights), adding the head's sink logit (nullptr: none) to the denominator only.
+// m NaN (a NaN or +inf logit poisoned the state): a NaN row. m == -inf (nothing visible) or no
+// positive denominator: zeros. Shared by decode's merge and prefill's finish, so the two paths
+// cannot disagree on these rules; kernels/attention_ref.cc keeps its own (it is the check).
+inline void FinishRow(const float* acc, float m, float l, const float* sink, int64_t Dv, float* o) {
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  if (std::isnan(m)) {
+    std::fill_n(o, Dv, std::numeric_limits<float>::quiet_NaN());
+    return;
+  }
+  float w = 1.0f;  // acc's weight relative to the max taken with the sink
+  if (sink != nullptr) {
+    const float mm = std::max(m, *sink);
+    w = m == kNegInf ? 0.0f : std::exp(m - mm);
+    l = l * w + std::exp(*sink - mm);
+  }
+  if (m == kNegInf || !(l > 0)) {
+    std::fill_n(o, Dv, 0.0f);
+    return;
+  }
+  const float f = w / l;
+  for (int64_t i = 0; i < Dv; ++i) o[i] = acc[i] * f;
 }
 
 // Calls emit(s0, s1) for each maximal run [s0, s1) of cells j in [0, L) where masked(j) is false.

@@ -8,8 +8,10 @@
 #define KVCACHE_KERNELS_ATTENTION_LOAD_INL_H_
 #endif
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 
 #include "hwy/highway.h"
 #include "kernels/attention_internal.h"
@@ -95,6 +97,35 @@ HWY_INLINE float BlockScale(const void* row, int64_t blk) {
   const hn::Rebind<hwy::float16_t, decltype(d1)> dh1;
   return hn::GetLane(PromoteF16(d1, hn::BitCast(dh1, hn::Set(du1, bits))));
 #endif
+}
+
+// ---- online softmax
+// ------------------------------------------------------------------------------
+
+// The largest of the scores s[0..n) (-inf for n == 0) and whether any of them is NaN or +inf, a
+// logit that poisons its row (kernels/attention.h). The max alone cannot tell: x86's max drops a
+// NaN operand, depending on its position. One compare and OR per vector on top of the max.
+struct ScoreScan {
+  float max;
+  bool poisoned;
+};
+HWY_INLINE ScoreScan ScanScores(DF df, const float* HWY_RESTRICT s, int64_t n) {
+  constexpr float kInf = std::numeric_limits<float>::infinity();
+  const VF vinf = hn::Set(df, kInf);
+  VF vmax = hn::Set(df, -kInf);
+  VF bad_lanes = hn::Zero(df);  // all bits set in lanes that saw a NaN or +inf
+  int64_t j = 0;
+  for (; j + static_cast<int64_t>(kN) <= n; j += kN) {
+    const VF x = hn::LoadU(df, s + j);
+    vmax = hn::Max(vmax, x);
+    bad_lanes = hn::Or(bad_lanes, hn::VecFromMask(df, hn::Not(hn::Lt(x, vinf))));
+  }
+  ScoreScan r{hn::GetLane(hn::MaxOfLanes(df, vmax)), !hn::AllFalse(df, hn::MaskFromVec(bad_lanes))};
+  for (; j < n; ++j) {
+    r.max = std::max(r.max, s[j]);
+    r.poisoned = r.poisoned || !(s[j] < kInf);
+  }
+  return r;
 }
 
 }  // namespace HWY_NAMESPACE
