@@ -379,30 +379,30 @@ void FuzzEncoder(Reader& r, bool via_c) {
     FUZZ_CHECK(e->SetConfig(c).ok() && e->Init(dt, n, 16, 4).ok(), "encoder Init failed");
     return e;
   };
-  auto fill = [&](kv::EncoderCache* c, int n_seqs, int passes) {
+  auto fill = [&](Reader& rd, kv::EncoderCache* c, int n_seqs, int passes) {
     for (int p = 0; p < passes; ++p) {
-      const int32_t pos[1] = {r.Int(0, 20)}, seq[1] = {r.Int(0, n_seqs - 1)}, mm[1] = {0};
+      const int32_t pos[1] = {rd.Int(0, 20)}, seq[1] = {rd.Int(0, n_seqs - 1)}, mm[1] = {0};
       kv::Batch b;
       b.positions = pos;
       b.sequences = seq;
-      if (r.OneIn(2)) b.multimodal = mm;
-      if (!c->StartForward(b, r.OneIn(5)).ok()) continue;
-      const DType in = r.Pick(in_dtypes);
-      const int d = r.Int(1, 8), h = r.Int(1, 2), t = r.Int(1, 5);
+      if (rd.OneIn(2)) b.multimodal = mm;
+      if (!c->StartForward(b, rd.OneIn(5)).ok()) continue;
+      const DType in = rd.Pick(in_dtypes);
+      const int d = rd.Int(1, 8), h = rd.Int(1, 2), t = rd.Int(1, 5);
       std::vector<uint16_t> buf(static_cast<size_t>(d) * h * t * 2);  // f32 needs 2 per element
       for (size_t i = 0; i < buf.size(); ++i) buf[i] = static_cast<uint16_t>(0x3C00 + i % 64);
-      const int layers = r.Int(1, 3);
+      const int layers = rd.Int(1, 3);
       for (int l = 0; l < layers; ++l) {
         c->SetLayer(l);
         const TensorView v = kv::MakeView(buf.data(), in, {d, h, t});
         const Status st = c->Put(v, v);
         FUZZ_CHECK(st.ok(), "encoder Put failed: %s", st.message());
       }
-      if (r.OneIn(4)) (void)c->Remove(r.Int(0, n_seqs - 1), r.Int(0, 10), kv::kPosMax);
+      if (rd.OneIn(4)) (void)c->Remove(rd.Int(0, n_seqs - 1), rd.Int(0, 10), kv::kPosMax);
     }
   };
   auto src = make(opt, cfg, dtype, seqs);
-  fill(src.get(), seqs, r.Int(0, 5));
+  fill(r, src.get(), seqs, r.Int(0, 5));
   const int seq = r.OneIn(3) ? r.Int(0, seqs - 1) : -1;
   std::vector<uint8_t> stream;
   FUZZ_CHECK(kv::SaveCache(*src, &stream, seq).ok(), "encoder SaveCache failed");
@@ -434,14 +434,12 @@ void FuzzEncoder(Reader& r, bool via_c) {
   }
   const int target_passes = r.Int(0, 3);
   if (via_c) {
-    Reader same = r;  // the same calls into the C target
+    Reader same = r;  // a copy: the C target gets the same calls as the C++ one below
     auto* e = kv::EncoderFromC(c_target.get());
     FUZZ_CHECK(e != nullptr, "EncoderFromC");
-    std::swap(r, same);
-    fill(e, tseqs, target_passes);
-    std::swap(r, same);
+    fill(same, e, tseqs, target_passes);
   }
-  fill(target.get(), tseqs, target_passes);
+  fill(r, target.get(), tseqs, target_passes);
   std::vector<uint8_t> before, after;
   FUZZ_CHECK(kv::SaveCache(*target, &before).ok(), "save encoder target");
   if (via_c) FUZZ_CHECK(SaveC(c_target.get()) == before, "C and C++ encoders differ before load");
@@ -481,7 +479,7 @@ void FuzzEncoder(Reader& r, bool via_c) {
       sink = sink + vp[static_cast<size_t>(kv::NumElements(h.v)) * kv::BlockBytes(h.v.dtype) - 1];
     }
   }
-  fill(target.get(), tseqs, 2);
+  fill(r, target.get(), tseqs, 2);
 }
 
 }  // namespace

@@ -213,6 +213,16 @@ std::string TargetNow() {
   return hwy::TargetName(t & -t);
 }
 
+// The kernel's parallel-for over `pool`'s threads; nullptr: run inline (one thread).
+kernels::ParallelForFn KernelParallelFor(ThreadPool* pool) {
+  kernels::ParallelForFn pf;
+  if (pool != nullptr) {
+    const ParallelFor p = pool->AsParallelFor();
+    pf = {p.run, p.user, p.num_threads};
+  }
+  return pf;
+}
+
 // Runs the kernel in the given mode and thread count and compares with the reference.
 struct Run {
   AttentionMode mode;
@@ -306,13 +316,7 @@ void CheckCase(const Case& c, std::initializer_list<Run> given) {
                  " integer_k=" + std::to_string(run.integer_k));
     const double run_tol =
         tol + (run.integer_v ? kIntegerVTol : 0.0) + (run.integer_k ? int_k_tol : 0.0);
-    kernels::ParallelForFn pf;
-    if (run.pool != nullptr) {
-      const ParallelFor p = run.pool->AsParallelFor();
-      pf.run = p.run;
-      pf.user = p.user;
-      pf.num_threads = p.num_threads;
-    }
+    const kernels::ParallelForFn pf = KernelParallelFor(run.pool);
     kp.mode = run.mode;
     kp.integer_v = run.integer_v;
     kp.integer_k = run.integer_k;
@@ -676,12 +680,10 @@ TEST_P(AttentionTest, NonFiniteLogitPoisonsItsRow) {
         ASSERT_EQ(std::isnan(ref[i]), poisoned(i)) << i << " ref=" << ref[i];
       }
       ThreadPool pool(2);
-      const ParallelFor p2 = pool.AsParallelFor();
       for (int run = 0; run < 5; ++run) {
         if (run == 4 && dt == DType::kF16) continue;
         SCOPED_TRACE("run " + std::to_string(run));
-        kernels::ParallelForFn pf;
-        if (run == 1) pf = {p2.run, p2.user, p2.num_threads};
+        const kernels::ParallelForFn pf = KernelParallelFor(run == 1 ? &pool : nullptr);
         kp.mode = run == 2 ? AttentionMode::kPrefill : AttentionMode::kDecode;
         kp.integer_k = kp.integer_v = run >= 3;
         std::fill(out.begin(), out.end(), 12345.0f);
