@@ -62,7 +62,8 @@ Status InitCache(kv::Cache* c, const Shape& s) {
 
 // ---- the C API's side (inputs with bit 7 of the mode byte set) ----------------------------------
 // The same target is built twice, through kvc_* (kvc_init, kvc_reserve_layers, kvc_save,
-// kvc_load) and through C++, filled by the same calls, and the stream loaded into both: the C
+// kvc_load; for growing / rotating caches kvc_seq_update, kvc_seq_save, kvc_seq_load: FuzzSequence)
+// and through C++, filled by the same calls, and the stream loaded into both: the C
 // call must return the C++ call's code with kvc_last_error() naming the C++ message, and both
 // targets must save to the same bytes before and after.
 
@@ -115,11 +116,11 @@ std::vector<uint8_t> SaveC(const kvc_cache* c) {
 // A load's outcome through C against the same load through C++.
 void CheckSameOutcome(kvc_code c_code, const Status& cpp) {
   FUZZ_CHECK(static_cast<int>(c_code) == static_cast<int>(cpp.code()),
-             "kvc_load returned %s, LoadCache %s (%s)", kvc_code_name(c_code),
+             "the C load returned %s, the C++ load %s (%s)", kvc_code_name(c_code),
              kv::CodeName(cpp.code()), cpp.message());
   if (!cpp.ok()) {
     FUZZ_CHECK(std::strcmp(kvc_last_error(), cpp.message()) == 0,
-               "kvc_last_error() \"%s\" is not LoadCache's \"%s\"", kvc_last_error(),
+               "kvc_last_error() \"%s\" is not the C++ load's \"%s\"", kvc_last_error(),
                cpp.message());
   }
 }
@@ -314,20 +315,63 @@ void FuzzCausal(Reader& r, bool wrapper, bool via_c) {
   consistent(target.get());
 }
 
-void FuzzSequence(Reader& r) {
+struct SeqFree {
+  void operator()(kvc_seq_cache* c) const { kvc_seq_cache_free(c); }
+};
+using CSeqHandle = std::unique_ptr<kvc_seq_cache, SeqFree>;
+
+// kvc_seq_save, size query and a refused short buffer first (as SaveC).
+std::vector<uint8_t> SeqSaveC(const kvc_seq_cache* c) {
+  size_t size = 0;
+  FUZZ_CHECK(kvc_seq_save(c, nullptr, 0, &size) == KVC_OK, "kvc_seq_save size: %s",
+             kvc_last_error());
+  std::vector<uint8_t> out(size);
+  size_t short_size = 0;
+  FUZZ_CHECK(
+      size == 0 || (kvc_seq_save(c, out.data(), size - 1, &short_size) == KVC_INVALID_ARGUMENT &&
+                    short_size == size),
+      "kvc_seq_save into a short buffer");
+  size_t got = 0;
+  FUZZ_CHECK(kvc_seq_save(c, out.data(), size, &got) == KVC_OK && got == size, "kvc_seq_save: %s",
+             kvc_last_error());
+  return out;
+}
+
+// A growing or rotating cache. Inputs with bit 7 of the mode byte also build each cache through
+// the C API (kvc_kv_cache_new / kvc_rotating_cache_new) and make every call on both: kvc_seq_update
+// must return Update's code and message and views of the same shape, kvc_seq_save the same bytes,
+// kvc_seq_load LoadSequenceCache's code and message, and kvc_seq_offset / kvc_seq_len agree.
+void FuzzSequence(Reader& r, bool via_c) {
   const DType dtype = r.Pick(kDtypes);
   const int max_size = r.OneIn(3) ? 0 : r.Int(1, 9);
   const int keep = max_size ? r.Int(0, max_size - 1) : 0;
   auto make = [&]() {
     return max_size ? kv::NewRotatingKVCache(max_size, keep, dtype) : kv::NewKVCache(dtype);
   };
+  auto make_c = [&]() {
+    if (!via_c) return CSeqHandle();
+    const auto cdt = static_cast<kvc_dtype>(static_cast<int>(dtype));
+    CSeqHandle c(max_size ? kvc_rotating_cache_new(max_size, keep, cdt) : kvc_kv_cache_new(cdt));
+    FUZZ_CHECK(c != nullptr, "kvc sequence cache constructor returned NULL");
+    return c;
+  };
+  // Both caches (twin: the C one, or null) hold the same bytes and count the same tokens.
+  auto same = [&](const kv::SequenceCache& c, const kvc_seq_cache* twin, const char* when) {
+    if (twin == nullptr) return;
+    std::vector<uint8_t> bytes;
+    FUZZ_CHECK(kv::SaveSequenceCache(c, &bytes).ok(), "SaveSequenceCache (%s)", when);
+    FUZZ_CHECK(SeqSaveC(twin) == bytes, "C and C++ sequence caches differ %s", when);
+    FUZZ_CHECK(kvc_seq_offset(twin) == c.Offset() && kvc_seq_len(twin) == c.Len(),
+               "kvc_seq_offset / kvc_seq_len differ %s", when);
+  };
   // strict: every Update must succeed. After a load it may not: the stream's shapes or offset
   // (a resealed stream may hold any offset, e.g. INT32_MAX - 1) can refuse more tokens, which
   // must then be kInvalidArgument with the cache unchanged.
-  auto fill = [&](kv::SequenceCache* c, int updates, bool strict = true) {
+  auto fill = [&](Reader& rd, kv::SequenceCache* c, kvc_seq_cache* twin, int updates,
+                  bool strict = true) {
     const int d = kv::IsQuantized(dtype) ? 32 : 4;
     for (int u = 0; u < updates; ++u) {
-      const int n = r.Int(1, 6);
+      const int n = rd.Int(1, 6);
       std::vector<float> k(static_cast<size_t>(d) * n * 2);
       for (size_t i = 0; i < k.size(); ++i) k[i] = static_cast<float>((i * 5 + u) % 17) - 8.0f;
       const TensorView v = kv::MakeView(k.data(), DType::kF32, {d, n, 2, 1});
@@ -335,33 +379,60 @@ void FuzzSequence(Reader& r) {
       std::vector<uint8_t> pre;
       if (!strict) FUZZ_CHECK(kv::SaveSequenceCache(*c, &pre).ok(), "save before Update");
       const Status us = c->Update(v, v, n, &ko, &vo);
+      if (twin != nullptr) {
+        const kvc_tensor kc = kv::ViewToC(v);
+        kvc_tensor kco{}, vco{};
+        const kvc_code code = kvc_seq_update(twin, &kc, &kc, n, &kco, &vco);
+        FUZZ_CHECK(static_cast<int>(code) == static_cast<int>(us.code()),
+                   "kvc_seq_update returned %s, Update %s (%s)", kvc_code_name(code),
+                   kv::CodeName(us.code()), us.message());
+        if (us.ok()) {
+          FUZZ_CHECK(std::memcmp(kco.ne, ko.ne, sizeof(kco.ne)) == 0 &&
+                         std::memcmp(vco.ne, vo.ne, sizeof(vco.ne)) == 0,
+                     "kvc_seq_update's views differ from Update's");
+        } else {
+          FUZZ_CHECK(std::strcmp(kvc_last_error(), us.message()) == 0,
+                     "kvc_last_error() \"%s\" is not Update's \"%s\"", kvc_last_error(),
+                     us.message());
+        }
+      }
       if (us.ok()) continue;
       FUZZ_CHECK(!strict, "Update failed: %s", us.message());
       FUZZ_CHECK(us.code() == kv::Code::kInvalidArgument, "Update after a load: %s", us.message());
       std::vector<uint8_t> post;
       FUZZ_CHECK(kv::SaveSequenceCache(*c, &post).ok() && post == pre,
                  "failing Update (%s) changed the cache", us.message());
+      same(*c, twin, "after a failing update");
       return;
     }
   };
   auto src = make();
-  fill(src.get(), r.Int(0, 5));
+  CSeqHandle c_src = make_c();
+  fill(r, src.get(), c_src.get(), r.Int(0, 5));
+  same(*src, c_src.get(), "after filling the source");
   std::vector<uint8_t> stream;
   FUZZ_CHECK(kv::SaveSequenceCache(*src, &stream).ok(), "SaveSequenceCache failed");
   const std::vector<uint8_t> pristine = stream;
   Damage(r, &stream);
   auto target = make();
-  fill(target.get(), r.Int(0, 3));
+  CSeqHandle c_target = make_c();
+  fill(r, target.get(), c_target.get(), r.Int(0, 3));
+  same(*target, c_target.get(), "before load");
   std::vector<uint8_t> before, after;
   FUZZ_CHECK(kv::SaveSequenceCache(*target, &before).ok(), "save target");
   const Status st = kv::LoadSequenceCache(stream, target.get());
   FUZZ_CHECK(kv::SaveSequenceCache(*target, &after).ok(), "save target after load");
+  if (via_c) {
+    CheckSameOutcome(kvc_seq_load(c_target.get(), stream.data(), stream.size()), st);
+    same(*target, c_target.get(), "after load");
+  }
   if (!st.ok()) {
     FUZZ_CHECK(before == after, "failing LoadSequenceCache (%s) changed the target", st.message());
     return;
   }
   if (stream == pristine) FUZZ_CHECK(after == pristine, "sequence stream does not round-trip");
-  fill(target.get(), 2, /*strict=*/false);
+  fill(r, target.get(), c_target.get(), 2, /*strict=*/false);
+  same(*target, c_target.get(), "after more updates");
 }
 
 // The encoder cache: images of fuzzed shapes and input dtypes in one or more sequences (shared or
@@ -488,7 +559,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   Reader r(data, size);
   kvfuzz::UseTarget(r.U8());
   const uint8_t mode = r.U8();
-  const bool via_c = (mode & 0x80) != 0;  // also through the C API (not for sequence caches)
+  const bool via_c = (mode & 0x80) != 0;  // also through the C API
   switch (mode % 4) {
     case 0:
       FuzzCausal(r, false, via_c);
@@ -497,7 +568,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       FuzzCausal(r, true, via_c);
       break;
     case 2:
-      FuzzSequence(r);
+      FuzzSequence(r, via_c);
       break;
     default:
       FuzzEncoder(r, via_c);
