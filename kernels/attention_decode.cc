@@ -566,13 +566,16 @@ HWY_INLINE float QuantizeQueryRow(const float* q, int64_t D, int16_t* out) {
 // Logits of 4 q8_0 K rows (krow0, kstride apart) for kH query heads: s[g * s_stride + r] =
 // step[g] * sum_blk d[r][blk] * (codes . qi[g]) over the blocks. qi: the heads' rows from
 // QuantizeQueryRow, qi_stride int16 apart. Returns false, with s unspecified, when a block scale
-// of the rows is inf or NaN (the caller then runs the f32 pass for them).
-template <int kH>  // 1..4 heads
+// of the rows is inf or NaN (the caller then runs the f32 pass for them). Up to 8 heads share one
+// load and widening of the codes (2 x 8 accumulators fit AVX-512's 32 registers): a group of 8
+// heads per KV head no longer converts each K block twice.
+template <int kH>  // 1..8 heads
 HWY_INLINE bool IntDotHeads4(const char* krow0, size_t kstride, const int16_t* qi,
                              int64_t qi_stride, const float* step, int64_t D, float* s,
                              int64_t s_stride) {
-  static_assert(kH >= 1 && kH <= 4);
-  constexpr int kG = 4;
+  static_assert(kH >= 1 && kH <= 8);
+  constexpr int kQuads = (kH + 3) / 4;  // heads are reduced four at a time
+  constexpr int kG = 4 * kQuads;
   __m512 acc[2][kG];  // heads from kH on stay 0
   for (int p = 0; p < 2; ++p)
     for (int g = 0; g < kG; ++g) acc[p][g] = _mm512_setzero_ps();
@@ -598,20 +601,27 @@ HWY_INLINE bool IntDotHeads4(const char* krow0, size_t kstride, const int16_t* q
     }
   }
   const DF df;
-  // Block r of `all`: cell r's four heads (QuadSums per pair of cells, then each cell's halves).
-  const VF u0 = QuadSums(df, VF{acc[0][0]}, VF{acc[0][1]}, VF{acc[0][2]}, VF{acc[0][3]});
-  const VF u1 = QuadSums(df, VF{acc[1][0]}, VF{acc[1][1]}, VF{acc[1][2]}, VF{acc[1][3]});
-  __m512 all = _mm512_mul_ps(BlockPairSums(u0, u1).raw,
-                             _mm512_broadcast_f32x4(_mm_maskz_loadu_ps((1 << kH) - 1, step)));
-  // A non-finite block scale makes its cell's logits non-finite (inf times an integer sum is inf
-  // or NaN), and finite scales cannot: the integer sums and the step are bounded.
-  if (_mm512_fpclass_ps_mask(all, 0x99) != 0) return false;  // QNaN, SNaN, +inf, -inf
-  // Block g: head g's four cells.
-  all = _mm512_permutexvar_ps(
-      _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0), all);
-  for (int g = 0; g < kH; ++g) {
-    _mm_storeu_ps(s + g * s_stride, _mm512_extractf32x4_ps(all, 0));
-    all = _mm512_shuffle_f32x4(all, all, _MM_SHUFFLE(0, 3, 2, 1));
+  for (int qd = 0; qd < kQuads; ++qd) {
+    const int h0 = 4 * qd;
+    const int nh = kH - h0 < 4 ? kH - h0 : 4;
+    // Block r of `all`: cell r's four heads (QuadSums per pair of cells, then each cell's halves).
+    const VF u0 =
+        QuadSums(df, VF{acc[0][h0]}, VF{acc[0][h0 + 1]}, VF{acc[0][h0 + 2]}, VF{acc[0][h0 + 3]});
+    const VF u1 =
+        QuadSums(df, VF{acc[1][h0]}, VF{acc[1][h0 + 1]}, VF{acc[1][h0 + 2]}, VF{acc[1][h0 + 3]});
+    __m512 all = _mm512_mul_ps(BlockPairSums(u0, u1).raw,
+                               _mm512_broadcast_f32x4(_mm_maskz_loadu_ps(
+                                   static_cast<__mmask8>((1 << nh) - 1), step + h0)));
+    // A non-finite block scale makes its cell's logits non-finite (inf times an integer sum is
+    // inf or NaN), and finite scales cannot: the integer sums and the step are bounded.
+    if (_mm512_fpclass_ps_mask(all, 0x99) != 0) return false;  // QNaN, SNaN, +inf, -inf
+    // Block g: head h0 + g's four cells.
+    all = _mm512_permutexvar_ps(
+        _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0), all);
+    for (int g = 0; g < nh; ++g) {
+      _mm_storeu_ps(s + (h0 + g) * s_stride, _mm512_extractf32x4_ps(all, 0));
+      all = _mm512_shuffle_f32x4(all, all, _MM_SHUFFLE(0, 3, 2, 1));
+    }
   }
   return true;
 }
@@ -772,17 +782,15 @@ HWY_NOINLINE void DecodeCells(const Ctx& c, int64_t h, int64_t b, int64_t g0, in
   if constexpr (T == DType::kQ8_0) {
     bool use_int = q.i != nullptr;
     for (int g = 0; g < kG && use_int; ++g) use_int = !std::isnan(q.step[g0 + g]);
-    constexpr int kH = kG < 4 ? kG : 4;
+    static_assert(kG <= 8, "IntDotHeads4 serves up to 8 heads");
     for (; use_int && j + 4 <= n; j += 4) {
       for (int64_t r = 0; r < 4; ++r) prefetch(j + r);
       const char* k4 = kbase + static_cast<size_t>(c0 + j) * kst;
-      for (int gg = 0; gg < kG; gg += kH) {
-        if (!IntDotHeads4<kH>(k4, kst, q.i + (g0 + gg) * 2 * c.D, 2 * c.D, q.step + g0 + gg, c.D,
-                              &s[gg][j], kBlockCells + kRowPad)) {
-          for (int64_t r = 0; r < 4; ++r) {  // a non-finite scale: these rows' f32 logits
-            DotHeads<T, kH>(df, k4 + static_cast<size_t>(r) * kst, qs + (g0 + gg) * c.Dp, c.Dp, c.D,
-                            &s[gg][j + r], kBlockCells + kRowPad);
-          }
+      if (!IntDotHeads4<kG>(k4, kst, q.i + g0 * 2 * c.D, 2 * c.D, q.step + g0, c.D, &s[0][j],
+                            kBlockCells + kRowPad)) {
+        for (int64_t r = 0; r < 4; ++r) {  // a non-finite scale: these rows' f32 logits
+          DotHeads<T, kG>(df, k4 + static_cast<size_t>(r) * kst, qs + g0 * c.Dp, c.Dp, c.D,
+                          &s[0][j + r], kBlockCells + kRowPad);
         }
       }
     }
