@@ -99,8 +99,7 @@ HWY_INLINE float BlockScale(const void* row, int64_t blk) {
 #endif
 }
 
-// ---- online softmax
-// ------------------------------------------------------------------------------
+// ---- the online softmax's score scan -------------------------------------------------------
 
 // The largest of the scores s[0..n) (-inf for n == 0) and whether any of them is NaN or +inf, a
 // logit that poisons its row (kernels/attention.h). The max alone cannot tell: x86's max drops a
