@@ -872,6 +872,24 @@ HWY_INLINE void DecodeCellsAllHeads(const Ctx& c, int64_t h, int64_t b, int64_t 
 // Spans shorter than this are gathered (see DecodeGathered).
 constexpr int64_t kShortSpan = 16;
 
+// Copies `bytes` from src to dst (not overlapping) in whole vectors, the last one overlapping its
+// predecessor; rows shorter than a vector go to memcpy. Gathered rows are 34 to a few hundred
+// bytes, and a libc call per row cost more than the copy: kvperf's batched decode (f16, 1 thread,
+// 256 steps) spent ~13% of its decode time in memmove, ~8% in this loop now (mostly waiting for
+// the scattered rows; prefetching them 4 cells ahead measured no faster).
+HWY_INLINE void CopyRow(char* HWY_RESTRICT dst, const char* HWY_RESTRICT src, size_t bytes) {
+  const hn::ScalableTag<uint8_t> d8;
+  const size_t N = hn::Lanes(d8);
+  if (bytes < N) {
+    std::memcpy(dst, src, bytes);
+    return;
+  }
+  const auto* s8 = reinterpret_cast<const uint8_t*>(src);
+  auto* d = reinterpret_cast<uint8_t*>(dst);
+  for (size_t o = 0; o + N < bytes; o += N) hn::StoreU(hn::LoadU(d8, s8 + o), d8, d + o);
+  hn::StoreU(hn::LoadU(d8, s8 + bytes - N), d8, d + bytes - N);
+}
+
 // Cells `cells[0..n)` (ascending, all visible to row b) for every query head of KV head h, from a
 // contiguous copy: head h's K and V rows and row b's mask values are copied to per-thread scratch,
 // and DecodeCellsAllHeads runs on a Ctx whose views describe the copy as cells [0, n). Batched
@@ -891,10 +909,10 @@ HWY_NOINLINE void DecodeGathered(const Ctx& c, int64_t h, int64_t b, const int32
   const char* ksrc = static_cast<const char*>(c.k.data) + static_cast<size_t>(h) * c.k.nb[1];
   const char* vsrc = static_cast<const char*>(c.v.data) + static_cast<size_t>(h) * c.v.nb[1];
   for (int64_t i = 0; i < n; ++i) {
-    std::memcpy(kbuf + static_cast<size_t>(i) * krb,
-                ksrc + static_cast<size_t>(cells[i]) * c.k.nb[2], krb);
-    std::memcpy(vbuf + static_cast<size_t>(i) * vrb,
-                vsrc + static_cast<size_t>(cells[i]) * c.v.nb[2], vrb);
+    CopyRow(kbuf + static_cast<size_t>(i) * krb, ksrc + static_cast<size_t>(cells[i]) * c.k.nb[2],
+            krb);
+    CopyRow(vbuf + static_cast<size_t>(i) * vrb, vsrc + static_cast<size_t>(cells[i]) * c.v.nb[2],
+            vrb);
     mbuf[i] = attn::MaskValue(c.mask, b, cells[i]);
   }
   Ctx g = c;
