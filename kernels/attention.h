@@ -55,8 +55,9 @@
 // is compute-bound: per 16 codes it spends a widen, a convert and a scale multiply on top of the
 // FMAs of every head, and with the history in cache it is ~1.15x slower per cell than f16
 // (integer_v: ~1.05x). On the Intel Xeon of sessions 1-3 (half the bandwidth per core) f16 ran at
-// ~1.0 of the read bandwidth and q8_0 1.27-1.45x faster than f16. Prefill runs at ~0.4-0.66 of the
-// measured FMA peak. The dispatched AVX-512 decode is ~1.1-1.3x the same code pinned to AVX2.
+// ~1.0 of the read bandwidth and q8_0 1.27-1.45x faster than f16. Prefill runs at ~0.4-0.72 of the
+// measured FMA peak (0.67-0.72 at head_dim 128 since session 11's register transpose of K). The
+// dispatched AVX-512 decode is ~1.1-1.3x the same code pinned to AVX2.
 //
 // Masked cells are never read in decode; prefill reads whole tiles, so K/V of hidden cells must be
 // finite there (the caches zero-fill their storage).
