@@ -296,12 +296,10 @@ void PrefillTask(const Ctx& c, int64_t task) {
           scan.poisoned ? std::numeric_limits<float>::quiet_NaN() : std::max(m_old, scan.max);
       const VF vm = hn::Set(df, m_new);
       const VF vninf = hn::Set(df, neg_inf);
-      const VF vlow = hn::Set(df, -std::numeric_limits<float>::max());
       VF vsum = hn::Zero(df);
       for (int64_t j = 0; j < kTC; j += kN) {
         const VF x = hn::Load(df, s + j);
-        const VF e =
-            hn::IfThenZeroElse(hn::Eq(x, vninf), hn::Exp(df, hn::Max(hn::Sub(x, vm), vlow)));
+        const VF e = hn::IfThenZeroElse(hn::Eq(x, vninf), SoftmaxExp(df, hn::Sub(x, vm)));
         vsum = hn::Add(vsum, e);
         hn::Store(e, df, s + j);
       }

@@ -41,11 +41,11 @@
 // of the history is ever made.
 //
 // Error bound: logits are f32 dot products of the (exactly dequantized) K elements with Q
-// pre-scaled by `scale` (relative error ~ D * 2^-24 * sum|q k| / |q.k|), exp has 1 ULP (Highway's
-// Exp), the running max rescaling adds ~2^-23 relative per rescale, and V accumulates in f32.
-// Against a double reference over the same stored (rounded) K/V the output error is a few times
-// 1e-6 * max|V| for moderate L; the dtype only matters through the stored values, which the
-// reference sees too.
+// pre-scaled by `scale` (relative error ~ D * 2^-24 * sum|q k| / |q.k|), exp is within 1 ULP
+// (SoftmaxExp, kernels/attention_load-inl.h; weights below e^-87 are clamped there), the running
+// max rescaling adds ~2^-23 relative per rescale, and V accumulates in f32. Against a double
+// reference over the same stored (rounded) K/V the output error is a few times 1e-6 * max|V| for
+// moderate L; the dtype only matters through the stored values, which the reference sees too.
 //
 // Measured (perf/bench_attention, 2-vCPU AVX-512 VMs shared with other jobs; calls of the
 // compared variants alternating in one run): on the AMD EPYC of sessions 4-6, decode f16 at 32768

@@ -737,11 +737,10 @@ HWY_INLINE void SoftmaxStep(DF df, int64_t n, int64_t Dvp, float* s, float* stat
   const float m_new =
       scan.poisoned ? std::numeric_limits<float>::quiet_NaN() : std::max(m_old, scan.max);
   const VF vm = hn::Set(df, m_new);
-  const VF vlow = hn::Set(df, -std::numeric_limits<float>::max());
   VF vsum = hn::Zero(df);
   for (int64_t j = 0; j < n; j += kN) {
-    // Clamped: Exp is valid on [-FLT_MAX, 104]; a difference of extreme logits may reach -inf.
-    VF e = hn::Exp(df, hn::Max(hn::Sub(hn::Load(df, s + j), vm), vlow));
+    // A difference of extreme logits may reach -inf: SoftmaxExp clamps it.
+    VF e = SoftmaxExp(df, hn::Sub(hn::Load(df, s + j), vm));
     if (j + static_cast<int64_t>(kN) > n) e = hn::IfThenElseZero(hn::FirstN(df, n - j), e);
     vsum = hn::Add(vsum, e);
     hn::Store(e, df, s + j);
