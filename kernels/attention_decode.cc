@@ -11,10 +11,10 @@
 // Where the time goes (session 11, perf record, EPYC Zen 5, 1 thread, q8_0 with integer_k and
 // integer_v, head_dim 64, 32 / 8 heads, 2048 cells, in cache, ~10 ns per cell and KV head against
 // f16's ~8.2): K pass 41% (the integer dots 20%, the transposing reduction 13%, scaling, checking
-// and storing the logits 8%), the V pass 13%, exp and the softmax step 12%, GatherScales 8%, the
-// prefetch loops 6%. The reduction is already ~1 add per 16 lanes of partial sums; what would
-// reach 1.5x f16 at 32768 cells (q8_0 is compute-bound there, f16 is not) is a ~25% smaller
-// per-cell cost, which no single item here offers.
+// and storing the logits 8%), the V pass 13%, exp and the softmax step 12% (before SoftmaxExp,
+// 2-5% off the call), GatherScales 8%, the prefetch loops 6%. The reduction is already ~1 add per
+// 16 lanes of partial sums; what would reach 1.5x f16 at 32768 cells (q8_0 is compute-bound there,
+// f16 is not) is a ~25% smaller per-cell cost, which no single item here offers.
 //
 // AVX3_DL (AVX-512 with VNNI) is compiled too: the integer V and K passes use its vpdpwssd.
 // Highway 1.0.3 leaves the target out unless asked; it must be asked before any Highway header.
