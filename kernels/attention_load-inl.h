@@ -99,8 +99,7 @@ HWY_INLINE float BlockScale(const void* row, int64_t blk) {
 #endif
 }
 
-// ---- the online softmax
-// ---------------------------------------------------------------------------
+// ---- the online softmax -------------------------------------------------------------------------
 
 // e^x for softmax weights, x = a logit minus the running max (<= 0 where it matters; lanes above 0
 // are only ever padding, clamped to 88 so they stay finite). Below -87 the result is clamped to
@@ -129,8 +128,6 @@ HWY_INLINE VF SoftmaxExp(DF df, VF x) {
   const auto two_k = hn::ShiftLeft<23>(hn::Add(hn::ConvertTo(di, k), hn::Set(di, 127)));
   return hn::Mul(p, hn::BitCast(df, two_k));
 }
-
-// ---- the online softmax's score scan -------------------------------------------------------
 
 // The largest of the scores s[0..n) (-inf for n == 0) and whether any of them is NaN or +inf, a
 // logit that poisons its row (kernels/attention.h). The max alone cannot tell: x86's max drops a
