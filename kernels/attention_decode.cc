@@ -1053,14 +1053,15 @@ void DecodeMerge(const Ctx& c) {
         poisoned = poisoned || std::isnan(row_of(ch)[c.Dvp]);
       }
       // Every chunk's (acc, l) rescaled to the common max, summed into chunk 0's row (this merge
-      // owns the partials now). A chunk that saw no visible cell has m = -inf and weighs 0.
+      // owns the partials now). A chunk that saw no visible cell (m = -inf) still holds its
+      // initial acc = 0, l = 0 and is skipped.
       float* acc = row_of(0);
       float l = 0.0f;
       if (!poisoned && m != neg_inf) {
         for (int64_t ch = 0; ch < c.n_chunks; ++ch) {
           const float* r = row_of(ch);
-          if (ch > 0 && r[c.Dvp] == neg_inf) continue;
-          const float w = r[c.Dvp] == neg_inf ? 0.0f : std::exp(r[c.Dvp] - m);
+          if (r[c.Dvp] == neg_inf) continue;
+          const float w = std::exp(r[c.Dvp] - m);
           l += w * r[c.Dvp + 1];
           if (ch == 0) {
             if (w != 1.0f) {  // x * 1 == x for every x: skipping is exact
