@@ -96,31 +96,39 @@ kvc_code InitC(kvc_cache* c, const Shape& s) {
                   s.batch);
 }
 
-// kvc_save of the whole cache, size query first.
-std::vector<uint8_t> SaveC(const kvc_cache* c) {
+// A save through C: save(buf, capacity, &size) is kvc_save or kvc_seq_save on one cache. The size
+// query first, then a buffer one byte short (refused, with the size reported), then the real one.
+template <class SaveFn>
+std::vector<uint8_t> SaveThroughC(const SaveFn& save) {
   size_t size = 0;
-  FUZZ_CHECK(kvc_save(c, -1, nullptr, 0, &size) == KVC_OK, "kvc_save size: %s", kvc_last_error());
+  FUZZ_CHECK(save(nullptr, 0, &size) == KVC_OK, "C save, size query: %s", kvc_last_error());
   std::vector<uint8_t> out(size);
   if (size > 0) {
     size_t short_size = 0;
-    FUZZ_CHECK(kvc_save(c, -1, out.data(), size - 1, &short_size) == KVC_INVALID_ARGUMENT &&
-                   short_size == size,
-               "kvc_save into a short buffer");
+    FUZZ_CHECK(
+        save(out.data(), size - 1, &short_size) == KVC_INVALID_ARGUMENT && short_size == size,
+        "C save into a short buffer");
   }
   size_t got = 0;
-  FUZZ_CHECK(kvc_save(c, -1, out.data(), size, &got) == KVC_OK && got == size, "kvc_save: %s",
-             kvc_last_error());
+  FUZZ_CHECK(save(out.data(), size, &got) == KVC_OK && got == size, "C save: %s", kvc_last_error());
   return out;
 }
 
-// A load's outcome through C against the same load through C++.
-void CheckSameOutcome(kvc_code c_code, const Status& cpp) {
+// kvc_save of the whole cache.
+std::vector<uint8_t> SaveC(const kvc_cache* c) {
+  return SaveThroughC(
+      [c](void* buf, size_t cap, size_t* size) { return kvc_save(c, -1, buf, cap, size); });
+}
+
+// A call's outcome through C against the same call through C++ (`what` names it): the same code,
+// and on failure kvc_last_error() equal to the C++ message.
+void CheckSameOutcome(const char* what, kvc_code c_code, const Status& cpp) {
   FUZZ_CHECK(static_cast<int>(c_code) == static_cast<int>(cpp.code()),
-             "the C load returned %s, the C++ load %s (%s)", kvc_code_name(c_code),
+             "%s: C returned %s, C++ %s (%s)", what, kvc_code_name(c_code),
              kv::CodeName(cpp.code()), cpp.message());
   if (!cpp.ok()) {
     FUZZ_CHECK(std::strcmp(kvc_last_error(), cpp.message()) == 0,
-               "kvc_last_error() \"%s\" is not the C++ load's \"%s\"", kvc_last_error(),
+               "%s: kvc_last_error() \"%s\" is not the C++ message \"%s\"", what, kvc_last_error(),
                cpp.message());
   }
 }
@@ -297,7 +305,7 @@ void FuzzCausal(Reader& r, bool wrapper, bool via_c) {
   if (via_c) {
     const kvc_code code =
         kvc_load(c_target.get(), stream.data(), stream.size(), seq < 0 ? -1 : dst);
-    CheckSameOutcome(code, st);
+    CheckSameOutcome("load", code, st);
     FUZZ_CHECK(SaveC(c_target.get()) == after, "C and C++ targets differ after load");
   }
   if (!st.ok()) {
@@ -320,21 +328,10 @@ struct SeqFree {
 };
 using CSeqHandle = std::unique_ptr<kvc_seq_cache, SeqFree>;
 
-// kvc_seq_save, size query and a refused short buffer first (as SaveC).
+// kvc_seq_save of a growing / rotating cache.
 std::vector<uint8_t> SeqSaveC(const kvc_seq_cache* c) {
-  size_t size = 0;
-  FUZZ_CHECK(kvc_seq_save(c, nullptr, 0, &size) == KVC_OK, "kvc_seq_save size: %s",
-             kvc_last_error());
-  std::vector<uint8_t> out(size);
-  size_t short_size = 0;
-  FUZZ_CHECK(
-      size == 0 || (kvc_seq_save(c, out.data(), size - 1, &short_size) == KVC_INVALID_ARGUMENT &&
-                    short_size == size),
-      "kvc_seq_save into a short buffer");
-  size_t got = 0;
-  FUZZ_CHECK(kvc_seq_save(c, out.data(), size, &got) == KVC_OK && got == size, "kvc_seq_save: %s",
-             kvc_last_error());
-  return out;
+  return SaveThroughC(
+      [c](void* buf, size_t cap, size_t* size) { return kvc_seq_save(c, buf, cap, size); });
 }
 
 // A growing or rotating cache. Inputs with bit 7 of the mode byte also build each cache through
@@ -382,19 +379,10 @@ void FuzzSequence(Reader& r, bool via_c) {
       if (twin != nullptr) {
         const kvc_tensor kc = kv::ViewToC(v);
         kvc_tensor kco{}, vco{};
-        const kvc_code code = kvc_seq_update(twin, &kc, &kc, n, &kco, &vco);
-        FUZZ_CHECK(static_cast<int>(code) == static_cast<int>(us.code()),
-                   "kvc_seq_update returned %s, Update %s (%s)", kvc_code_name(code),
-                   kv::CodeName(us.code()), us.message());
-        if (us.ok()) {
-          FUZZ_CHECK(std::memcmp(kco.ne, ko.ne, sizeof(kco.ne)) == 0 &&
-                         std::memcmp(vco.ne, vo.ne, sizeof(vco.ne)) == 0,
-                     "kvc_seq_update's views differ from Update's");
-        } else {
-          FUZZ_CHECK(std::strcmp(kvc_last_error(), us.message()) == 0,
-                     "kvc_last_error() \"%s\" is not Update's \"%s\"", kvc_last_error(),
-                     us.message());
-        }
+        CheckSameOutcome("update", kvc_seq_update(twin, &kc, &kc, n, &kco, &vco), us);
+        FUZZ_CHECK(!us.ok() || (std::memcmp(kco.ne, ko.ne, sizeof(kco.ne)) == 0 &&
+                                std::memcmp(vco.ne, vo.ne, sizeof(vco.ne)) == 0),
+                   "kvc_seq_update's views differ from Update's");
       }
       if (us.ok()) continue;
       FUZZ_CHECK(!strict, "Update failed: %s", us.message());
@@ -423,7 +411,7 @@ void FuzzSequence(Reader& r, bool via_c) {
   const Status st = kv::LoadSequenceCache(stream, target.get());
   FUZZ_CHECK(kv::SaveSequenceCache(*target, &after).ok(), "save target after load");
   if (via_c) {
-    CheckSameOutcome(kvc_seq_load(c_target.get(), stream.data(), stream.size()), st);
+    CheckSameOutcome("load", kvc_seq_load(c_target.get(), stream.data(), stream.size()), st);
     same(*target, c_target.get(), "after load");
   }
   if (!st.ok()) {
@@ -519,7 +507,7 @@ void FuzzEncoder(Reader& r, bool via_c) {
   const Status st = kv::LoadCache(stream, target.get(), dst);
   FUZZ_CHECK(kv::SaveCache(*target, &after).ok(), "save encoder target after load");
   if (via_c) {
-    CheckSameOutcome(kvc_load(c_target.get(), stream.data(), stream.size(), dst), st);
+    CheckSameOutcome("load", kvc_load(c_target.get(), stream.data(), stream.size(), dst), st);
     FUZZ_CHECK(SaveC(c_target.get()) == after, "C and C++ encoders differ after load");
     FUZZ_CHECK(kvc_memory_bytes(c_target.get()) == target->MemoryBytes(), "memory bytes differ");
   }
