@@ -52,18 +52,19 @@ using attn::kRowPad;
 // --------------------------------------------------------------------------------------
 
 constexpr int64_t kScaleStride = kBlockCells + kRowPad;
-// K rows are prefetched about this many bytes ahead, 8 to 48 rows: f16 K at head_dim 64 (128-byte
-// rows) ran 9-13% faster with 32 rows ahead than with 8 (1 and 2 threads, 32768 cells, calls
-// alternating in one process); at head_dim 128 8 and 16 rows were within noise, and q8_0 rows
-// (68 / 136 bytes) gained up to 5% from 16 -> 32. Earlier: 8 q8_0 rows left the K loop stalled.
-// Session 10 (f16 / q8_0, head_dim 128, 32768 cells, variants alternating in one process): without
-// any software prefetch decode runs at half the speed (the hardware prefetchers alone do not keep
-// up with this access pattern, though a plain sum reaches the read bandwidth); 8 / 16 KiB ahead
-// (limit raised to 256 rows) and prefetcht1 for K, V or both were no faster (t1: 7-23% slower);
-// blocks of 32 to 96 cells instead of 128 changed nothing. One cursor over each stream's lines (no
-// loop per row) saved 1-5% in cache but ran 12-20% slower at 32768 cells when it asked for four
-// K rows' lines before their V rows' lines, or for two lines of each alternately; asking row by
-// row (K row, then V row), as here, was the fastest order measured.
+// A cold piece's K pass (see DecodeCells) asks for its K rows about this many bytes ahead, 8 to 48
+// rows. Measured when every K pass did so: f16 K at head_dim 64 (128-byte rows) ran 9-13% faster
+// with 32 rows ahead than with 8 (1 and 2 threads, 32768 cells, calls alternating in one process);
+// at head_dim 128 8 and 16 rows were within noise, and q8_0 rows (68 / 136 bytes) gained up to 5%
+// from 16 -> 32. Earlier: 8 q8_0 rows left the K loop stalled. Session 10 (f16 / q8_0, head_dim
+// 128, 32768 cells, variants alternating in one process): without any software prefetch decode runs
+// at half the speed (the hardware prefetchers alone do not keep up with this access pattern, though
+// a plain sum reaches the read bandwidth); 8 / 16 KiB ahead (limit raised to 256 rows) and
+// prefetcht1 for K, V or both were no faster (t1: 7-23% slower); blocks of 32 to 96 cells instead
+// of 128 changed nothing. One cursor over each stream's lines (no loop per row) saved 1-5% in cache
+// but ran 12-20% slower at 32768 cells when it asked for four K rows' lines before their V rows'
+// lines, or for two lines of each alternately; asking row by row (K row, then V row), as here, was
+// the fastest order measured.
 constexpr int64_t kPrefetchBytes = 4096;
 constexpr int64_t kMaxQBlocks = kAttentionMaxHeadDim / 32;
 
@@ -74,6 +75,26 @@ struct QRows {
   const float* f = nullptr;
   const int16_t* i = nullptr;  // nullptr: no integer K pass in this call
   const float* step = nullptr;
+};
+
+// Requests the cache lines of [next, end) a few at a time, from inside a loop that does other work,
+// so that the requests are spread over it instead of stalling on the miss buffers all at once.
+// Once every line is asked for, Issue is a compare.
+struct LineCursor {
+  const char* next = nullptr;
+  const char* end = nullptr;
+  size_t lines_per_step = 0;
+  HWY_INLINE void Issue() {
+    for (size_t i = 0; i < lines_per_step && next < end; ++i, next += 64) attn::PrefetchLine(next);
+  }
+};
+
+// Which K rows around a piece of cells [c0, c0 + n) have been or will be requested (see
+// DecodeCells): rows [c0, c0 + ready) were asked for by the previous piece's V pass; the V pass of
+// this piece asks for the next_rows rows after it.
+struct KPrefetch {
+  int64_t ready = 0;
+  int64_t next_rows = 0;
 };
 
 // The f16 block scales of n quantized rows, converted with vector f16 -> f32 (exact) instead of
@@ -116,7 +137,7 @@ constexpr int64_t kVChunks = 2;
 template <DType T, int kG, int64_t kC>
 HWY_INLINE void AccumQuantGroup(DF df, const char* vrow0, size_t vstride, int64_t n, int64_t blk0,
                                 const float* p, int64_t p_stride, const float* vscale, float* acc,
-                                int64_t acc_stride) {
+                                int64_t acc_stride, LineCursor& next_k) {
   constexpr int64_t kPass = kC * static_cast<int64_t>(kN);
   constexpr int64_t kBlocks = kPass >= 32 ? kPass / 32 : 1;
   constexpr int64_t kSpan = kBlocks * 32;
@@ -136,6 +157,7 @@ HWY_INLINE void AccumQuantGroup(DF df, const char* vrow0, size_t vstride, int64_
       for (int g = 0; g < kG; ++g) a[c][g] = hn::Load(df, acc + g * acc_stride + i + c * kN);
     for (int64_t j = 0; j < n; ++j) {
       const char* vr = vrow0 + static_cast<size_t>(j) * vstride;
+      next_k.Issue();
       for (int64_t c = 0; c < kC; ++c) {
         const int64_t lb = (i + c * static_cast<int64_t>(kN)) / 32 - blk0;
         const VF vv = LoadCodes<T>(df, vr, i + c * kN);
@@ -150,17 +172,19 @@ HWY_INLINE void AccumQuantGroup(DF df, const char* vrow0, size_t vstride, int64_
 template <DType T, int kG>
 HWY_INLINE void AccumQuant(DF df, const char* vrow0, size_t vstride, int64_t n, int64_t Dv,
                            const float* p, int64_t p_stride, const float* vscale, float* acc,
-                           int64_t acc_stride) {
+                           int64_t acc_stride, LineCursor& next_k) {
   constexpr int64_t kC = kG <= 4 ? kVChunks : 1;
   constexpr int64_t kPass = kC * static_cast<int64_t>(kN);
   constexpr int64_t kBlocks = kPass >= 32 ? kPass / 32 : 1;
   int64_t blk = 0;
   for (; blk + kBlocks <= Dv / 32; blk += kBlocks) {
-    AccumQuantGroup<T, kG, kC>(df, vrow0, vstride, n, blk, p, p_stride, vscale, acc, acc_stride);
+    AccumQuantGroup<T, kG, kC>(df, vrow0, vstride, n, blk, p, p_stride, vscale, acc, acc_stride,
+                               next_k);
   }
   for (; blk < Dv / 32; ++blk) {  // a block left over (Dv / 32 odd with two-block passes)
     constexpr int64_t kC1 = 32 / static_cast<int64_t>(kN) < kC ? 32 / static_cast<int64_t>(kN) : kC;
-    AccumQuantGroup<T, kG, kC1>(df, vrow0, vstride, n, blk, p, p_stride, vscale, acc, acc_stride);
+    AccumQuantGroup<T, kG, kC1>(df, vrow0, vstride, n, blk, p, p_stride, vscale, acc, acc_stride,
+                                next_k);
   }
 }
 
@@ -223,7 +247,7 @@ HWY_INLINE void UnzipDims(VF lo, VF hi, VF& d0, VF& d1) {
 template <DType T, int kG>
 HWY_INLINE void AccumQuantInt(DF df, const char* vrow0, size_t vstride, int64_t n, int64_t Dv,
                               const float* p, int64_t p_stride, const float* vscale, float* acc,
-                              int64_t acc_stride) {
+                              int64_t acc_stride, LineCursor& next_k) {
   const DI32 di;
   const DI16 d16;
   const hn::Rebind<int16_t, DF> dq;
@@ -255,7 +279,8 @@ HWY_INLINE void AccumQuantInt(DF df, const char* vrow0, size_t vstride, int64_t 
       dinv[grp] = dmax[grp] > 0.0f ? 32767.0f / dmax[grp] : 0.0f;
     }
     if (!finite) {  // inf / NaN scales: the f32 path, which propagates them
-      AccumQuantGroup<T, kG, 2>(df, vrow0, vstride, n, blk, p, p_stride, vscale, acc, acc_stride);
+      AccumQuantGroup<T, kG, 2>(df, vrow0, vstride, n, blk, p, p_stride, vscale, acc, acc_stride,
+                                next_k);
       continue;
     }
     for (int g = 0; g < kG; ++g) {
@@ -276,6 +301,7 @@ HWY_INLINE void AccumQuantInt(DF df, const char* vrow0, size_t vstride, int64_t 
         for (int g = 0; g < kP; ++g) ia[g][0] = ia[g][1] = hn::Zero(di);
         const int64_t j1 = std::min<int64_t>(n, j0 + kN);
         for (int64_t j = j0; j < j1; j += 2) {
+          next_k.Issue();  // the cursor steps two cells at a time here
           const char* r0 = vblk + static_cast<size_t>(j) * vstride;
           const VI16 c0 = LoadBlockCodes16<T>(r0);
           // An odd last cell pairs with zeros (its partner's weight is 0 too: p is zero-padded).
@@ -639,7 +665,8 @@ HWY_INLINE bool IntDotHeads4(const char* krow0, size_t kstride, const int16_t* q
 // register.
 template <DType T, int kG>
 HWY_INLINE void AccumPlain(DF df, const char* vrow0, size_t vstride, int64_t n, int64_t Dv,
-                           const float* p, int64_t p_stride, float* acc, int64_t acc_stride) {
+                           const float* p, int64_t p_stride, float* acc, int64_t acc_stride,
+                           LineCursor& next_k) {
   int64_t i = 0;
   if constexpr (kG <= 4) {  // kVChunks chunks per pass (see kVChunks)
     constexpr int64_t kC = kVChunks;
@@ -649,6 +676,7 @@ HWY_INLINE void AccumPlain(DF df, const char* vrow0, size_t vstride, int64_t n, 
         for (int g = 0; g < kG; ++g) a[c][g] = hn::Load(df, acc + g * acc_stride + i + c * kN);
       for (int64_t j = 0; j < n; ++j) {
         const char* vr = vrow0 + static_cast<size_t>(j) * vstride;
+        next_k.Issue();
         VF vv[kC];
         for (int64_t c = 0; c < kC; ++c) vv[c] = LoadFloat<T>(df, vr, i + c * kN);
         for (int g = 0; g < kG; ++g) {
@@ -666,6 +694,7 @@ HWY_INLINE void AccumPlain(DF df, const char* vrow0, size_t vstride, int64_t n, 
     for (int g = 0; g < kG; ++g) a[g] = hn::Load(df, acc + g * acc_stride + i);
     for (int64_t j = 0; j < n; ++j) {
       const char* vr = vrow0 + static_cast<size_t>(j) * vstride;
+      next_k.Issue();
       const VF vv = tail ? LoadFloatTail<T>(df, vr, i, Dv - i) : LoadFloat<T>(df, vr, i);
       for (int g = 0; g < kG; ++g) a[g] = hn::MulAdd(hn::Set(df, p[g * p_stride + j]), vv, a[g]);
     }
@@ -677,9 +706,10 @@ HWY_INLINE void AccumPlain(DF df, const char* vrow0, size_t vstride, int64_t n, 
 template <DType T, int kG>
 HWY_INLINE void AccumPermuted(DF df, const char* vhead, size_t dim_stride, int64_t c0, int64_t n,
                               int64_t Dv, const float* p, int64_t p_stride, float* acc,
-                              int64_t acc_stride) {
+                              int64_t acc_stride, LineCursor& next_k) {
   constexpr size_t kElem = BlockBytes(T);
   for (int64_t d = 0; d < Dv; ++d) {
+    next_k.Issue();
     const char* line =
         vhead + static_cast<size_t>(d) * dim_stride + static_cast<size_t>(c0) * kElem;
     VF a[kG];
@@ -759,9 +789,18 @@ HWY_INLINE void SoftmaxStep(DF df, int64_t n, int64_t Dvp, float* s, float* stat
 }
 
 // Cells [c0, c0 + n) (all visible to row b) for heads g0 .. g0 + kG of KV head h.
+//
+// Software prefetch keeps the memory busy through both passes: the K pass asks for this piece's V
+// rows, the V pass for the K rows that follow the piece (kp.next_rows of them), so the next piece's
+// K pass finds its rows on the way (kp.ready) and only a cold piece asks for its own K rows,
+// kPrefetchBytes ahead. (A single thread keeps too few misses in flight on its own to reach the
+// read bandwidth.) Session 12, f16, 32 / 8 heads, 32768 cells, old / new alternating in one
+// process: the K pass asking for its own K rows ahead and nothing asked during the V pass left
+// the memory idle while V was summed: head_dim 64 2611 -> 2337 us on 1 thread, 1451 -> 1318 on 2;
+// head_dim 128 5370 -> 4744 and 3137 -> 2786.
 template <DType T, bool kPermV, int kG>
 HWY_NOINLINE void DecodeCells(const Ctx& c, int64_t h, int64_t b, int64_t g0, int64_t c0, int64_t n,
-                              const QRows& q, float* rows) {
+                              const QRows& q, float* rows, KPrefetch kp) {
   const DF df;
   const float* qs = q.f;
   HWY_ALIGN float s[kG][kBlockCells + kRowPad];
@@ -770,20 +809,35 @@ HWY_NOINLINE void DecodeCells(const Ctx& c, int64_t h, int64_t b, int64_t g0, in
                       static_cast<size_t>(c0) * c.v.nb[2];
   HWY_ALIGN float vd[IsQuantized(T) ? kMaxQBlocks : 1][kScaleStride];
 
-  // Software prefetch: K rows kPrefetchBytes ahead (a single thread keeps too few misses in flight
-  // on its own to reach the read bandwidth), and this piece's V rows ahead of the V pass.
   const size_t krow_bytes = RowBytes(T, c.D);
   const size_t vrow_bytes = kPermV ? 0 : RowBytes(T, c.Dv);
+  const size_t kst = c.k.nb[2], vst = c.v.nb[2];
+  // K pass: row j asks for V row j and, on a cold piece, for K row j + ahead.
   const int64_t ahead =
       std::clamp<int64_t>(kPrefetchBytes / static_cast<int64_t>(krow_bytes), 8, 48);
-  const char* k_ahead = kbase + static_cast<size_t>(c0 + ahead) * c.k.nb[2];
-  const size_t kst = c.k.nb[2], vst = c.v.nb[2];
-  const auto prefetch = [=](int64_t j) {
-    const char* ka = k_ahead + static_cast<size_t>(j) * kst;
-    for (size_t o = 0; o < krow_bytes; o += 64) hwy::Prefetch(ka + o);
-    const char* va = vrow0 + static_cast<size_t>(j) * vst;
-    for (size_t o = 0; o < vrow_bytes; o += 64) hwy::Prefetch(va + o);
+  const char* krow0 = kbase + static_cast<size_t>(c0) * kst;
+  const auto prefetch_k = [=](int64_t row) {
+    const char* k = krow0 + static_cast<size_t>(row) * kst;
+    for (size_t o = 0; o < krow_bytes; o += 64) attn::PrefetchLine(k + o);
   };
+  for (int64_t r = kp.ready; r < std::min(ahead, n); ++r) prefetch_k(r);
+  const int64_t k_from = std::max(kp.ready, ahead);  // K rows the K pass asks for: [k_from, n)
+  const auto prefetch = [&](int64_t j) {
+    if (j + ahead >= k_from && j + ahead < n) prefetch_k(j + ahead);
+    const char* va = vrow0 + static_cast<size_t>(j) * vst;
+    for (size_t o = 0; o < vrow_bytes; o += 64) attn::PrefetchLine(va + o);
+  };
+  // V pass: the K rows after the piece, a few lines per cell (or per dimension line of a permuted
+  // V) so that the requests spread over the pass.
+  LineCursor next_k;
+  if (kp.next_rows > 0) {
+    const uintptr_t first = reinterpret_cast<uintptr_t>(krow0 + static_cast<size_t>(n) * kst);
+    next_k.next = reinterpret_cast<const char*>(first & ~uintptr_t{63});
+    next_k.end = krow0 + static_cast<size_t>(n + kp.next_rows) * kst;
+    const size_t lines = static_cast<size_t>(next_k.end - next_k.next + 63) / 64;
+    const size_t steps = kPermV ? static_cast<size_t>(c.Dv) : static_cast<size_t>(n);
+    next_k.lines_per_step = (lines + steps - 1) / steps;
+  }
   int64_t j = 0;
 #if HWY_TARGET == HWY_AVX3_DL
   if constexpr (T == DType::kQ8_0) {
@@ -833,39 +887,46 @@ HWY_NOINLINE void DecodeCells(const Ctx& c, int64_t h, int64_t b, int64_t g0, in
   if constexpr (kPermV) {
     const char* vhead = static_cast<const char*>(c.v.data) + static_cast<size_t>(h) * c.v.nb[2];
     AccumPermuted<T, kG>(df, vhead, c.v.nb[1], c0, n, c.Dv, &s[0][0], kBlockCells + kRowPad, state,
-                         rs);
+                         rs, next_k);
   } else if constexpr (IsQuantized(T)) {
     // The V rows were prefetched during the K pass: the scales gather from cache.
     GatherScales<T>(df, vrow0, c.v.nb[2], n, c.Dv / 32, &vd[0][0]);
 #if HWY_TARGET == HWY_AVX3_DL
     if (c.p.integer_v) {
       AccumQuantInt<T, kG>(df, vrow0, c.v.nb[2], n, c.Dv, &s[0][0], kBlockCells + kRowPad,
-                           &vd[0][0], state, rs);
+                           &vd[0][0], state, rs, next_k);
       return;
     }
 #endif
     AccumQuant<T, kG>(df, vrow0, c.v.nb[2], n, c.Dv, &s[0][0], kBlockCells + kRowPad, &vd[0][0],
-                      state, rs);
+                      state, rs, next_k);
   } else {
-    AccumPlain<T, kG>(df, vrow0, c.v.nb[2], n, c.Dv, &s[0][0], kBlockCells + kRowPad, state, rs);
+    AccumPlain<T, kG>(df, vrow0, c.v.nb[2], n, c.Dv, &s[0][0], kBlockCells + kRowPad, state, rs,
+                      next_k);
   }
 }
 
+// The first group of heads prefetches as kp says; the later groups find the rows in cache.
 template <DType T, bool kPermV>
 HWY_INLINE void DecodeCellsAllHeads(const Ctx& c, int64_t h, int64_t b, int64_t c0, int64_t n,
-                                    const QRows& qs, float* rows) {
+                                    const QRows& qs, float* rows, KPrefetch kp) {
   int64_t g = 0;
-  for (; g + 8 <= c.G; g += 8) DecodeCells<T, kPermV, 8>(c, h, b, g, c0, n, qs, rows);
+  const auto next_kp = [&] {
+    const KPrefetch first = kp;
+    kp = KPrefetch{n, 0};
+    return first;
+  };
+  for (; g + 8 <= c.G; g += 8) DecodeCells<T, kPermV, 8>(c, h, b, g, c0, n, qs, rows, next_kp());
   const int64_t r = c.G - g;
   if (r >= 4) {
-    DecodeCells<T, kPermV, 4>(c, h, b, g, c0, n, qs, rows);
+    DecodeCells<T, kPermV, 4>(c, h, b, g, c0, n, qs, rows, next_kp());
     g += 4;
   }
   if (c.G - g >= 2) {
-    DecodeCells<T, kPermV, 2>(c, h, b, g, c0, n, qs, rows);
+    DecodeCells<T, kPermV, 2>(c, h, b, g, c0, n, qs, rows, next_kp());
     g += 2;
   }
-  if (c.G - g >= 1) DecodeCells<T, kPermV, 1>(c, h, b, g, c0, n, qs, rows);
+  if (c.G - g >= 1) DecodeCells<T, kPermV, 1>(c, h, b, g, c0, n, qs, rows, next_kp());
 }
 
 // Spans shorter than this are gathered (see DecodeGathered).
@@ -925,7 +986,7 @@ HWY_NOINLINE void DecodeGathered(const Ctx& c, int64_t h, int64_t b, const int32
   g.mask.dtype = DType::kF32;
   g.mask.nb[0] = sizeof(float);
   g.mask.nb[1] = 0;
-  DecodeCellsAllHeads<T, false>(g, 0, b, 0, n, qs, rows);
+  DecodeCellsAllHeads<T, false>(g, 0, b, 0, n, qs, rows, KPrefetch{n, 0});  // the copy is in cache
 }
 
 template <DType T, bool kPermV>
@@ -993,6 +1054,17 @@ void DecodeHeadChunk(const Ctx& c, int64_t h, int64_t chunk) {
     }
     cursor[b] = l;
   }
+  // K rows [pf_lo, pf_hi) were asked for by the last piece's V pass; each piece asks for as many
+  // rows after it as it has (within the chunk).
+  int64_t pf_lo = 0, pf_hi = 0;
+  const auto piece = [&](int64_t b, int64_t s0, int64_t n) {
+    KPrefetch kp;
+    if (s0 >= pf_lo && s0 < pf_hi) kp.ready = std::min(pf_hi - s0, n);
+    kp.next_rows = std::min(n, hi - (s0 + n));
+    pf_lo = s0 + n;
+    pf_hi = pf_lo + kp.next_rows;
+    DecodeCellsAllHeads<T, kPermV>(c, h, b, s0, n, q_row(b), part + b * c.G * rs, kp);
+  };
   for (int64_t blk0 = lo; blk0 < hi; blk0 += kBlockCells) {
     const int64_t blk1 = std::min(hi, blk0 + kBlockCells);
     for (int64_t b = 0; b < c.B; ++b) {
@@ -1008,15 +1080,14 @@ void DecodeHeadChunk(const Ctx& c, int64_t h, int64_t chunk) {
           for (int64_t j = s0; j < s1; ++j) short_cells[n_short++] = static_cast<int32_t>(j);
           ++short_spans;
         } else if (s1 > s0) {
-          DecodeCellsAllHeads<T, kPermV>(c, h, b, s0, s1 - s0, q_row(b), part + b * c.G * rs);
+          piece(b, s0, s1 - s0);
         }
         if (sp[2 * cur + 1] > blk1) break;  // the span goes on into the next block
         ++cur;
       }
       if constexpr (!kPermV) {
         if (short_spans == 1) {  // contiguous: nothing to gain from a copy
-          DecodeCellsAllHeads<T, kPermV>(c, h, b, short_cells[0], n_short, q_row(b),
-                                         part + b * c.G * rs);
+          piece(b, short_cells[0], n_short);
         } else if (short_spans > 1) {
           DecodeGathered<T>(c, h, b, short_cells, n_short, q_row(b), part + b * c.G * rs);
         }

@@ -11,6 +11,7 @@
 #include <limits>
 
 #include "hwy/aligned_allocator.h"
+#include "hwy/cache_control.h"
 #include "kernels/attention.h"
 #include "layouts/quant.h"
 
@@ -43,6 +44,19 @@ struct Ctx {
 };
 
 inline int64_t PartialStride(const Ctx& c) { return c.Dvp + kRowPad; }
+
+// Asks for the cache line holding p (prefetcht0 on x86). An asm statement rather than
+// hwy::Prefetch (__builtin_prefetch): GCC 12 at -O3 dropped the builtin from decode's K pass once
+// its K-row request became conditional (session 12: no prefetch instruction left in the AVX-512
+// f16 code, not even the V rows' unconditional one, and the V pass stalled on every row); an asm
+// volatile statement stays where it is written.
+inline void PrefetchLine(const void* p) {
+#if (defined(__GNUC__) || defined(__clang__)) && (defined(__x86_64__) || defined(__i386__))
+  asm volatile("prefetcht0 %0" : : "m"(*static_cast<const char*>(p)));
+#else
+  hwy::Prefetch(p);
+#endif
+}
 
 // One 64-byte-aligned float buffer per thread (three: `which`) that only grows. Growth is geometric
 // with a 256 KiB floor: the visible-span table needs B * (L / 2 + 1) entries, so growing to the
