@@ -46,7 +46,9 @@ namespace HWY_NAMESPACE {
 using attn::Ctx;
 using attn::kBlockCells;
 using attn::kMaxPass;
+using attn::KPrefetch;
 using attn::kRowPad;
+using attn::RequestedRows;
 
 // ---- decode
 // --------------------------------------------------------------------------------------
@@ -87,14 +89,6 @@ struct LineCursor {
   HWY_INLINE void Issue() {
     for (size_t i = 0; i < lines_per_step && next < end; ++i, next += 64) attn::PrefetchLine(next);
   }
-};
-
-// Which K rows around a piece of cells [c0, c0 + n) have been or will be requested (see
-// DecodeCells): rows [c0, c0 + ready) were asked for by the previous piece's V pass; the V pass of
-// this piece asks for the next_rows rows after it.
-struct KPrefetch {
-  int64_t ready = 0;
-  int64_t next_rows = 0;
 };
 
 // The f16 block scales of n quantized rows, converted with vector f16 -> f32 (exact) instead of
@@ -791,10 +785,10 @@ HWY_INLINE void SoftmaxStep(DF df, int64_t n, int64_t Dvp, float* s, float* stat
 // Cells [c0, c0 + n) (all visible to row b) for heads g0 .. g0 + kG of KV head h.
 //
 // Software prefetch keeps the memory busy through both passes: the K pass asks for this piece's V
-// rows, the V pass for the K rows that follow the piece (kp.next_rows of them), so the next piece's
-// K pass finds its rows on the way (kp.ready) and only a cold piece asks for its own K rows,
-// kPrefetchBytes ahead. (A single thread keeps too few misses in flight on its own to reach the
-// read bandwidth.) Session 12, f16, 32 / 8 heads, 32768 cells, old / new alternating in one
+// rows, the V pass for the K rows that follow the piece (kp.next_from .. next_to), so the next
+// piece's K pass finds its rows on the way (kp.ready) and only a cold piece asks for its own K
+// rows, kPrefetchBytes ahead. (A single thread keeps too few misses in flight on its own to reach
+// the read bandwidth.) Session 12, f16, 32 / 8 heads, 32768 cells, old / new alternating in one
 // process: the K pass asking for its own K rows ahead and nothing asked during the V pass left
 // the memory idle while V was summed: head_dim 64 2611 -> 2337 us on 1 thread, 1451 -> 1318 on 2;
 // head_dim 128 5370 -> 4744 and 3137 -> 2786.
@@ -812,7 +806,8 @@ HWY_NOINLINE void DecodeCells(const Ctx& c, int64_t h, int64_t b, int64_t g0, in
   const size_t krow_bytes = RowBytes(T, c.D);
   const size_t vrow_bytes = kPermV ? 0 : RowBytes(T, c.Dv);
   const size_t kst = c.k.nb[2], vst = c.v.nb[2];
-  // K pass: row j asks for V row j and, on a cold piece, for K row j + ahead.
+  // K pass: row j asks for V row j (unless asked already) and, on a cold piece, for K row
+  // j + ahead.
   const int64_t ahead =
       std::clamp<int64_t>(kPrefetchBytes / static_cast<int64_t>(krow_bytes), 8, 48);
   const char* krow0 = kbase + static_cast<size_t>(c0) * kst;
@@ -824,16 +819,18 @@ HWY_NOINLINE void DecodeCells(const Ctx& c, int64_t h, int64_t b, int64_t g0, in
   const int64_t k_from = std::max(kp.ready, ahead);  // K rows the K pass asks for: [k_from, n)
   const auto prefetch = [&](int64_t j) {
     if (j + ahead >= k_from && j + ahead < n) prefetch_k(j + ahead);
+    if (j < kp.v_ready) return;
     const char* va = vrow0 + static_cast<size_t>(j) * vst;
     for (size_t o = 0; o < vrow_bytes; o += 64) attn::PrefetchLine(va + o);
   };
   // V pass: the K rows after the piece, a few lines per cell (or per dimension line of a permuted
   // V) so that the requests spread over the pass.
   LineCursor next_k;
-  if (kp.next_rows > 0) {
-    const uintptr_t first = reinterpret_cast<uintptr_t>(krow0 + static_cast<size_t>(n) * kst);
+  if (kp.next_to > kp.next_from) {
+    const uintptr_t first =
+        reinterpret_cast<uintptr_t>(krow0 + static_cast<size_t>(kp.next_from) * kst);
     next_k.next = reinterpret_cast<const char*>(first & ~uintptr_t{63});
-    next_k.end = krow0 + static_cast<size_t>(n + kp.next_rows) * kst;
+    next_k.end = krow0 + static_cast<size_t>(kp.next_to) * kst;
     const size_t lines = static_cast<size_t>(next_k.end - next_k.next + 63) / 64;
     const size_t steps = kPermV ? static_cast<size_t>(c.Dv) : static_cast<size_t>(n);
     next_k.lines_per_step = (lines + steps - 1) / steps;
@@ -913,7 +910,7 @@ HWY_INLINE void DecodeCellsAllHeads(const Ctx& c, int64_t h, int64_t b, int64_t 
   int64_t g = 0;
   const auto next_kp = [&] {
     const KPrefetch first = kp;
-    kp = KPrefetch{n, 0};
+    kp = KPrefetch{n, n, 0, 0};
     return first;
   };
   for (; g + 8 <= c.G; g += 8) DecodeCells<T, kPermV, 8>(c, h, b, g, c0, n, qs, rows, next_kp());
@@ -986,7 +983,8 @@ HWY_NOINLINE void DecodeGathered(const Ctx& c, int64_t h, int64_t b, const int32
   g.mask.dtype = DType::kF32;
   g.mask.nb[0] = sizeof(float);
   g.mask.nb[1] = 0;
-  DecodeCellsAllHeads<T, false>(g, 0, b, 0, n, qs, rows, KPrefetch{n, 0});  // the copy is in cache
+  DecodeCellsAllHeads<T, false>(g, 0, b, 0, n, qs, rows,
+                                KPrefetch{n, n, 0, 0});  // the copy is in cache
 }
 
 template <DType T, bool kPermV>
@@ -1054,15 +1052,9 @@ void DecodeHeadChunk(const Ctx& c, int64_t h, int64_t chunk) {
     }
     cursor[b] = l;
   }
-  // K rows [pf_lo, pf_hi) were asked for by the last piece's V pass; each piece asks for as many
-  // rows after it as it has (within the chunk).
-  int64_t pf_lo = 0, pf_hi = 0;
+  RequestedRows asked{lo, lo};
   const auto piece = [&](int64_t b, int64_t s0, int64_t n) {
-    KPrefetch kp;
-    if (s0 >= pf_lo && s0 < pf_hi) kp.ready = std::min(pf_hi - s0, n);
-    kp.next_rows = std::min(n, hi - (s0 + n));
-    pf_lo = s0 + n;
-    pf_hi = pf_lo + kp.next_rows;
+    const KPrefetch kp = attn::PlanKPrefetch(s0, n, hi, asked);
     DecodeCellsAllHeads<T, kPermV>(c, h, b, s0, n, q_row(b), part + b * c.G * rs, kp);
   };
   for (int64_t blk0 = lo; blk0 < hi; blk0 += kBlockCells) {

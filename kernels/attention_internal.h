@@ -45,6 +45,37 @@ struct Ctx {
 
 inline int64_t PartialStride(const Ctx& c) { return c.Dvp + kRowPad; }
 
+// Which K and V rows around a piece of cells [c0, c0 + n) have been or will be requested (see
+// DecodeCells in attention_decode.cc), counted from c0: K rows [0, ready) and V rows [0, v_ready)
+// were asked for already (by earlier pieces); the V pass of this piece asks for K rows [next_from,
+// next_to) (none when next_to <= next_from).
+struct KPrefetch {
+  int64_t ready = 0;
+  int64_t v_ready = 0;
+  int64_t next_from = 0;
+  int64_t next_to = 0;
+};
+
+// Rows of one KV head asked for so far by a task that walks its cells forward: every row below
+// the mark was asked for (recently), none above.
+struct RequestedRows {
+  int64_t k = 0, v = 0;
+};
+
+// The plan for the task's next piece [s0, s0 + n), its end being `hi`: rows below the marks are
+// ready, and the V pass asks for up to n K rows after the piece, within the task. Batch rows that
+// revisit a block find it requested and ask for nothing again. Advances the marks.
+inline KPrefetch PlanKPrefetch(int64_t s0, int64_t n, int64_t hi, RequestedRows& asked) {
+  KPrefetch kp;
+  kp.ready = std::clamp<int64_t>(asked.k - s0, 0, n);
+  kp.v_ready = std::clamp<int64_t>(asked.v - s0, 0, n);
+  kp.next_from = std::max(n, asked.k - s0);
+  kp.next_to = std::min(2 * n, hi - s0);
+  asked.k = std::max(asked.k, s0 + std::max(n, kp.next_to));
+  asked.v = std::max(asked.v, s0 + n);
+  return kp;
+}
+
 // Asks for the cache line holding p (prefetcht0 on x86). An asm statement rather than
 // hwy::Prefetch (__builtin_prefetch): GCC 12 at -O3 dropped the builtin from decode's K pass once
 // its K-row request became conditional (session 12: no prefetch instruction left in the AVX-512

@@ -36,6 +36,7 @@
 #include "gtest/gtest.h"
 #include "hwy/aligned_allocator.h"
 #include "hwy/tests/hwy_gtest.h"
+#include "kernels/attention_internal.h"
 #include "kernels/mask.h"
 #include "layouts/kv_layout.h"
 #include "layouts/quant.h"
@@ -912,6 +913,47 @@ TEST(AttendTest, SequenceLayoutView) {
     kernels::AttentionRef(qv, hist.k, hist.v, hist.mask, kp, &rv);
     for (int i = 0; i < D * 4; ++i) EXPECT_NEAR(out[i], ref[i], 2e-5);
   }
+}
+
+// Decode's prefetch plan (kernels/attention_internal.h) over a task's pieces, as DecodeCells
+// carries it out: the K pass asks for the piece's K rows [ready, n) and V rows [v_ready, n), the V
+// pass for K rows [next_from, next_to). Every row a piece reads must have been asked for by the
+// time it runs, none twice, and none outside the task (an asm prefetch names its address as a
+// memory operand: it must stay inside the history).
+TEST(DecodePrefetchPlan, AsksForEveryRowOnceWithinTheTask) {
+  struct Piece {
+    int64_t s0, n;
+  };
+  const auto walk = [](int64_t lo, int64_t hi, const std::vector<Piece>& pieces) {
+    std::vector<int> k_asked(static_cast<size_t>(hi + 300), 0), v_asked(k_asked.size(), 0);
+    kernels::attn::RequestedRows asked{lo, lo};
+    for (const Piece& p : pieces) {
+      SCOPED_TRACE(::testing::Message() << "piece " << p.s0 << " +" << p.n);
+      const kernels::attn::KPrefetch kp = kernels::attn::PlanKPrefetch(p.s0, p.n, hi, asked);
+      ASSERT_GE(kp.ready, 0);
+      ASSERT_LE(kp.ready, p.n);
+      for (int64_t r = kp.ready; r < p.n; ++r) ++k_asked[p.s0 + r];
+      for (int64_t r = kp.v_ready; r < p.n; ++r) ++v_asked[p.s0 + r];
+      for (int64_t r = 0; r < p.n; ++r) {
+        EXPECT_GE(k_asked[p.s0 + r], 1) << "K row " << p.s0 + r << " read, never asked for";
+        EXPECT_GE(v_asked[p.s0 + r], 1) << "V row " << p.s0 + r << " read, never asked for";
+      }
+      for (int64_t r = kp.next_from; r < kp.next_to; ++r) ++k_asked[p.s0 + r];
+    }
+    for (size_t row = 0; row < k_asked.size(); ++row) {
+      const bool inside = static_cast<int64_t>(row) >= lo && static_cast<int64_t>(row) < hi;
+      EXPECT_LE(k_asked[row], inside ? 1 : 0) << "K row " << row;
+      EXPECT_LE(v_asked[row], inside ? 1 : 0) << "V row " << row;
+    }
+  };
+  // One row, whole blocks, a task ending inside a block.
+  walk(0, 300, {{0, 128}, {128, 128}, {256, 44}});
+  // Two batch rows visiting each block (batched decode), a task that starts at 512.
+  walk(512, 896, {{512, 128}, {512, 128}, {640, 128}, {640, 128}, {768, 128}, {768, 128}});
+  // Masked gaps and short pieces: rows skipped by the mask may be asked for, none twice.
+  walk(0, 400, {{0, 100}, {140, 116}, {256, 10}, {300, 90}, {300, 20}});
+  // A piece that starts far beyond what was asked for (a long masked run).
+  walk(0, 1024, {{0, 64}, {700, 128}, {828, 100}});
 }
 
 }  // namespace
