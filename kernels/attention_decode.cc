@@ -790,8 +790,8 @@ HWY_INLINE void SoftmaxStep(DF df, int64_t n, int64_t Dvp, float* s, float* stat
 // rows, kPrefetchBytes ahead. (A single thread keeps too few misses in flight on its own to reach
 // the read bandwidth.) Session 12, f16, 32 / 8 heads, 32768 cells, old / new alternating in one
 // process: the K pass asking for its own K rows ahead and nothing asked during the V pass left
-// the memory idle while V was summed: head_dim 64 2611 -> 2337 us on 1 thread, 1451 -> 1318 on 2;
-// head_dim 128 5370 -> 4744 and 3137 -> 2786.
+// the memory idle while V was summed: head_dim 64 3150 -> 2697 and 2649 -> 2250 us on 1 thread,
+// 1704 -> 1596 on 2; head_dim 128 5226 -> 4592 and 3465 -> 3039. q8_0, compute-bound: 0-4%.
 template <DType T, bool kPermV, int kG>
 HWY_NOINLINE void DecodeCells(const Ctx& c, int64_t h, int64_t b, int64_t g0, int64_t c0, int64_t n,
                               const QRows& q, float* rows, KPrefetch kp) {
