@@ -86,6 +86,17 @@ struct LineCursor {
   const char* next = nullptr;
   const char* end = nullptr;
   size_t lines_per_step = 0;
+  // The lines of bytes [from, to), spread over `steps` calls of Issue (none when the range is
+  // empty).
+  static LineCursor Over(const char* from, const char* to, int64_t steps) {
+    LineCursor lc;
+    if (to <= from || steps <= 0) return lc;
+    lc.next = reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(from) & ~uintptr_t{63});
+    lc.end = to;
+    const size_t lines = static_cast<size_t>(lc.end - lc.next + 63) / 64;
+    lc.lines_per_step = (lines + static_cast<size_t>(steps) - 1) / static_cast<size_t>(steps);
+    return lc;
+  }
   HWY_INLINE void Issue() {
     for (size_t i = 0; i < lines_per_step && next < end; ++i, next += 64) attn::PrefetchLine(next);
   }
@@ -803,38 +814,26 @@ HWY_NOINLINE void DecodeCells(const Ctx& c, int64_t h, int64_t b, int64_t g0, in
                       static_cast<size_t>(c0) * c.v.nb[2];
   HWY_ALIGN float vd[IsQuantized(T) ? kMaxQBlocks : 1][kScaleStride];
 
-  const size_t krow_bytes = RowBytes(T, c.D);
-  const size_t vrow_bytes = kPermV ? 0 : RowBytes(T, c.Dv);
   const size_t kst = c.k.nb[2], vst = c.v.nb[2];
-  // K pass: row j asks for V row j (unless asked already) and, on a cold piece, for K row
-  // j + ahead.
-  const int64_t ahead =
-      std::clamp<int64_t>(kPrefetchBytes / static_cast<int64_t>(krow_bytes), 8, 48);
   const char* krow0 = kbase + static_cast<size_t>(c0) * kst;
-  const auto prefetch_k = [=](int64_t row) {
-    const char* k = krow0 + static_cast<size_t>(row) * kst;
-    for (size_t o = 0; o < krow_bytes; o += 64) attn::PrefetchLine(k + o);
-  };
-  for (int64_t r = kp.ready; r < std::min(ahead, n); ++r) prefetch_k(r);
-  const int64_t k_from = std::max(kp.ready, ahead);  // K rows the K pass asks for: [k_from, n)
-  const auto prefetch = [&](int64_t j) {
-    if (j + ahead >= k_from && j + ahead < n) prefetch_k(j + ahead);
-    if (j < kp.v_ready) return;
-    const char* va = vrow0 + static_cast<size_t>(j) * vst;
-    for (size_t o = 0; o < vrow_bytes; o += 64) attn::PrefetchLine(va + o);
+  const auto krow = [&](int64_t r) { return krow0 + static_cast<size_t>(r) * kst; };
+  const auto vrow = [&](int64_t r) { return vrow0 + static_cast<size_t>(r) * vst; };
+  // A cold piece asks for its first `ahead` K rows at once, then during the K pass for the rest,
+  // one row's lines per row (so about `ahead` rows ahead); the K pass asks for the piece's V rows
+  // not asked for yet (a permuted V is read by dimension lines: not prefetched).
+  const int64_t ahead =
+      std::clamp<int64_t>(kPrefetchBytes / static_cast<int64_t>(RowBytes(T, c.D)), 8, 48);
+  const int64_t k_from = std::max(kp.ready, std::min(ahead, n));
+  LineCursor::Over(krow(kp.ready), krow(k_from), 1).Issue();
+  LineCursor k_rows = LineCursor::Over(krow(k_from), krow(n), n - k_from);
+  LineCursor v_rows = LineCursor::Over(vrow(kp.v_ready), kPermV ? vrow(0) : vrow(n), n);
+  const auto prefetch_row = [&] {
+    v_rows.Issue();
+    k_rows.Issue();
   };
   // V pass: the K rows after the piece, a few lines per cell (or per dimension line of a permuted
   // V) so that the requests spread over the pass.
-  LineCursor next_k;
-  if (kp.next_to > kp.next_from) {
-    const uintptr_t first =
-        reinterpret_cast<uintptr_t>(krow0 + static_cast<size_t>(kp.next_from) * kst);
-    next_k.next = reinterpret_cast<const char*>(first & ~uintptr_t{63});
-    next_k.end = krow0 + static_cast<size_t>(kp.next_to) * kst;
-    const size_t lines = static_cast<size_t>(next_k.end - next_k.next + 63) / 64;
-    const size_t steps = kPermV ? static_cast<size_t>(c.Dv) : static_cast<size_t>(n);
-    next_k.lines_per_step = (lines + steps - 1) / steps;
-  }
+  LineCursor next_k = LineCursor::Over(krow(kp.next_from), krow(kp.next_to), kPermV ? c.Dv : n);
   int64_t j = 0;
 #if HWY_TARGET == HWY_AVX3_DL
   if constexpr (T == DType::kQ8_0) {
@@ -842,7 +841,7 @@ HWY_NOINLINE void DecodeCells(const Ctx& c, int64_t h, int64_t b, int64_t g0, in
     for (int g = 0; g < kG && use_int; ++g) use_int = !std::isnan(q.step[g0 + g]);
     static_assert(kG <= 8, "IntDotHeads4 serves up to 8 heads");
     for (; use_int && j + 4 <= n; j += 4) {
-      for (int64_t r = 0; r < 4; ++r) prefetch(j + r);
+      for (int64_t r = 0; r < 4; ++r) prefetch_row();
       const char* k4 = kbase + static_cast<size_t>(c0 + j) * kst;
       if (!IntDotHeads4<kG>(k4, kst, q.i + g0 * 2 * c.D, 2 * c.D, q.step + g0, c.D, &s[0][j],
                             kBlockCells + kRowPad)) {
@@ -858,14 +857,14 @@ HWY_NOINLINE void DecodeCells(const Ctx& c, int64_t h, int64_t b, int64_t g0, in
   if constexpr (kG == 4) {
     const int64_t n4 = IsQuantized(T) || c.D % static_cast<int64_t>(kN) == 0 ? n : 0;
     for (; j + 4 <= n4; j += 4) {
-      for (int64_t r = 0; r < 4; ++r) prefetch(j + r);
+      for (int64_t r = 0; r < 4; ++r) prefetch_row();
       DotHeads4<T>(df, kbase + static_cast<size_t>(c0 + j) * c.k.nb[2], c.k.nb[2], qs + g0 * c.Dp,
                    c.Dp, c.D, &s[0][j], kBlockCells + kRowPad);
     }
   }
 #endif
   for (; j + 2 <= n; j += 2) {
-    for (int64_t r = 0; r < 2; ++r) prefetch(j + r);
+    for (int64_t r = 0; r < 2; ++r) prefetch_row();
     const char* k0 = kbase + static_cast<size_t>(c0 + j) * c.k.nb[2];
     DotHeads2<T, kG>(df, k0, k0 + c.k.nb[2], qs + g0 * c.Dp, c.Dp, c.D, &s[0][j],
                      kBlockCells + kRowPad);
