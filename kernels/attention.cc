@@ -66,12 +66,9 @@ HWY_INLINE void RowToF32Padded(DF df, const void* row, int64_t n, int64_t padded
 }
 
 #if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
-// dst[d * dst_stride + r] = src[r * src_stride + d] for r, d < 16: a 16 x 16 float transpose in
-// registers (64 shuffles: 32- and 64-bit interleaves inside 128-bit blocks, then two rounds of
-// 128-bit block shuffles) instead of 256 scalar stores strided by a tile row. The scalar
-// transpose of the K tile took ~6% of a prefill call (perf, f16, head_dim 128, 1 thread).
-HWY_INLINE void Transpose16x16(const float* src, int64_t src_stride, float* dst,
-                               int64_t dst_stride) {
+// The 16 x 16 register transpose of TransposeRowsBy16 (below).
+HWY_INLINE void TransposeRegisters16x16(const float* src, int64_t src_stride, float* dst,
+                                        int64_t dst_stride) {
   __m512 r[16], t[16];
   for (int i = 0; i < 16; ++i) r[i] = _mm512_load_ps(src + i * src_stride);
   // t[2i], t[2i + 1]: rows 2i, 2i + 1 interleaved (columns 4k, 4k + 1 / 4k + 2, 4k + 3 of block k).
@@ -101,6 +98,46 @@ HWY_INLINE void Transpose16x16(const float* src, int64_t src_stride, float* dst,
   }
 }
 #endif
+
+// dst[d * dst_stride + r] = src[r * src_stride + d] for r < kRows, d < 16. On AVX-512 with
+// kRows == 16: a 16 x 16 float transpose in registers (64 shuffles: 32- and 64-bit interleaves
+// inside 128-bit blocks, then two rounds of 128-bit block shuffles; src and dst 64-byte aligned)
+// instead of 256 scalar stores strided by a tile row, which took ~6% of a prefill call (perf, f16,
+// head_dim 128, 1 thread). Other targets transpose with scalar stores.
+template <int64_t kRows>
+HWY_INLINE void TransposeRowsBy16(const float* src, int64_t src_stride, float* dst,
+                                  int64_t dst_stride) {
+#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
+  if constexpr (kRows == 16) {
+    TransposeRegisters16x16(src, src_stride, dst, dst_stride);
+    return;
+  }
+#endif
+  for (int64_t r = 0; r < kRows; ++r)
+    for (int64_t d = 0; d < 16; ++d) dst[d * dst_stride + r] = src[r * src_stride + d];
+}
+
+// K tile (cells [t0, t0 + n) of one KV head) as f32, transposed: kt[d][j] for d < Dp, j < kTC
+// (cells from n on and dimensions from D on are zero). Converted kRows cells at a time into
+// `rows` ([kRows][Dp] scratch), then transposed in blocks of 16 dimensions.
+template <DType T, int64_t kRows>
+HWY_INLINE void TransposedKTile(DF df, const Ctx& c, const char* kbase, int64_t t0, int64_t n,
+                                float* rows, float* kt, int64_t kTileCells) {
+  static_assert(kRowPad % 16 == 0, "Dp is a multiple of 16");
+  for (int64_t j0 = 0; j0 < kTileCells; j0 += kRows) {
+    for (int64_t j = j0; j < j0 + kRows; ++j) {
+      float* dst = rows + (j - j0) * c.Dp;
+      if (j < n) {
+        RowToF32Padded<T>(df, kbase + static_cast<size_t>(t0 + j) * c.k.nb[2], c.D, c.Dp, dst);
+      } else {
+        for (int64_t d = 0; d < c.Dp; d += kN) hn::Store(hn::Zero(df), df, dst + d);
+      }
+    }
+    for (int64_t d0 = 0; d0 < c.Dp; d0 += 16) {
+      TransposeRowsBy16<kRows>(rows + d0, c.Dp, kt + d0 * kTileCells + j0, kTileCells);
+    }
+  }
+}
 
 // S[r][0..kTC) = sum_d Q[r][d] * KT[d][0..kTC) for kR rows: kR x 4 accumulators, no reductions.
 template <int kR>
@@ -163,13 +200,18 @@ void PrefillTask(const Ctx& c, int64_t task) {
   const int64_t nb = std::min(c.q_tile, c.B - b0);
   const int64_t R = nb * c.G;  // query rows: row r = (b0 + r / G, head h * G + r % G)
   const int64_t rs = c.Dvp + kRowPad;
-  // Scratch: q rows [R][Dp], state rows [R][rs], KT [Dp][kTC], V tile [kTC][Dvp], S [R][kTC].
-  const size_t need = static_cast<size_t>(R * c.Dp + R * rs + c.Dp * kTC + kTC * c.Dvp + R * kTC);
+  // Scratch: q rows [R][Dp], state rows [R][rs], KT [Dp][kTC], V tile [kTC][Dvp], S [R][kTC],
+  // K rows on their way into KT [kKRows][Dp]. Every part is a multiple of 16 floats: each starts
+  // 64-byte aligned (TransposeRowsBy16's register path needs it).
+  constexpr int64_t kKRows = kTC < 16 ? kTC : 16;
+  const size_t need =
+      static_cast<size_t>(R * c.Dp + R * rs + c.Dp * kTC + kTC * c.Dvp + R * kTC + kKRows * c.Dp);
   float* qs = attn::ThreadScratch(need, 1);
   float* st = qs + R * c.Dp;
   float* kt = st + R * rs;
   float* vt = kt + c.Dp * kTC;
   float* sc = vt + kTC * c.Dvp;
+  float* krows = sc + R * kTC;
   const VF vscale = hn::Set(df, c.p.scale);
   int64_t lo = c.L, hi = 0;
   for (int64_t r = 0; r < R; ++r) {
@@ -191,36 +233,7 @@ void PrefillTask(const Ctx& c, int64_t task) {
   const char* kbase = static_cast<const char*>(c.k.data) + static_cast<size_t>(h) * c.k.nb[1];
   for (int64_t t0 = lo; t0 < hi; t0 += kTC) {
     const int64_t n = std::min(kTC, hi - t0);
-    // K tile transposed: kt[d][j].
-#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
-    static_assert(kN == 16 && kRowPad == 16, "16 x 16 blocks of [kTC][Dp]");
-    // 16 rows converted to f32 (zero-padded to Dp; rows from n on zero), then transposed in
-    // 16 x 16 blocks.
-    HWY_ALIGN float krows[16 * attn::Pad(kAttentionMaxHeadDim)];
-    for (int64_t j0 = 0; j0 < kTC; j0 += 16) {
-      for (int64_t j = j0; j < j0 + 16; ++j) {
-        float* dst = krows + (j - j0) * c.Dp;
-        if (j < n) {
-          RowToF32Padded<T>(df, kbase + static_cast<size_t>(t0 + j) * c.k.nb[2], c.D, c.Dp, dst);
-        } else {
-          for (int64_t d = 0; d < c.Dp; d += kN) hn::Store(hn::Zero(df), df, dst + d);
-        }
-      }
-      for (int64_t d0 = 0; d0 < c.Dp; d0 += 16) {
-        Transpose16x16(krows + d0, c.Dp, kt + d0 * kTC + j0, kTC);
-      }
-    }
-#else
-    HWY_ALIGN float krow[attn::Pad(kAttentionMaxHeadDim)];
-    for (int64_t j = 0; j < kTC; ++j) {
-      if (j < n) {
-        RowToF32Padded<T>(df, kbase + static_cast<size_t>(t0 + j) * c.k.nb[2], c.D, c.D, krow);
-        for (int64_t d = 0; d < c.D; ++d) kt[d * kTC + j] = krow[d];
-      } else {
-        for (int64_t d = 0; d < c.D; ++d) kt[d * kTC + j] = 0.0f;
-      }
-    }
-#endif
+    TransposedKTile<T, kKRows>(df, c, kbase, t0, n, krows, kt, kTC);
     // V tile: vt[j][d].
     for (int64_t j = 0; j < kTC; ++j) {
       float* dst = vt + j * c.Dvp;
