@@ -75,9 +75,14 @@ constexpr int64_t kMaxQBlocks = kAttentionMaxHeadDim / 32;
 // IntDotHeads4's order, with each row's step (NaN: that row takes the f32 pass).
 struct QRows {
   const float* f = nullptr;
-  const int16_t* i = nullptr;  // nullptr: no integer K pass in this call
+  const int16_t* i = nullptr;     // nullptr: no integer K pass in this call
+  const int8_t* bytes = nullptr;  // the same rows split into bytes, [G][kQBytesPerBlock * D / 32]
   const float* step = nullptr;
 };
+
+// IntDotHeads16's query layout, per head and block of 32 dims: the high bytes' 8 dwords, the low
+// bytes' 8 dwords, the block's correction (int32) and padding to 16-byte multiples.
+constexpr int64_t kQBytesPerBlock = 80;
 
 // Requests the cache lines of [next, end) a few at a time, from inside a loop that does other work,
 // so that the requests are spread over it instead of stalling on the miss buffers all at once.
@@ -551,14 +556,17 @@ HWY_INLINE void DotHeads4(DF df, const char* krow0, size_t kstride, const float*
 // The f32 K pass spends, per 16 codes of a row, a widen, a convert and a scale multiply before
 // the heads' FMAs, and one FMA per head per 16 dims: on the EPYC VMs q8_0 decode is bound by that
 // arithmetic (in cache ~15% slower per cell than f16). Here each query row is rounded once per
-// call to int16 against its largest |element| (q ~ step * qi, |qi| <= 32767), and two cells' blocks
-// of 32 codes share a vector (cell r0 in the low 256 bits, r1 in the high), sign-extended to int16
-// in place; one vpdpwssd per 32 codes and head sums 32 products exactly (int32: 4 products of <=
-// 127 * 32767 per lane and block), and one convert and one FMA per block, two cells and head apply
+// call to integers against its largest |element| (q ~ step * qi, |qi| <= kQueryIntMax = 32639).
+// IntDotHeads16 (16 rows, the bulk of a piece) transposes the rows' codes so that the lanes hold
+// cells and needs no reduction; IntDotHeads4 (the rest of a piece, 4 rows) puts two cells' blocks
+// of 32 codes in a vector (cell r0 in the low 256 bits, r1 in the high), sign-extended to int16 in
+// place; one vpdpwssd per 32 codes and head sums 32 products exactly (int32: 4 products of <=
+// 127 * 32639 per lane and block), and one convert and one FMA per block, two cells and head apply
 // the two cells' block scales. The lanes of a vector stay with their cell, so one transposing
 // reduction per 4 cells (not per cell and head) gives the 16 logits. Error: qi is off by <= 1/2, so
-// a logit moves by <= step / 2 * sum_i |k_i| (step = max|q| * scale / 32767), against the f32
-// pass's ~D * 2^-24 * sum |q k|: 2^-16 * max|q| * sum|k|, about 1.5e-5 of the logit's condition.
+// a logit moves by <= step / 2 * sum_i |k_i| (step = max|q| * scale / 32639), against the f32
+// pass's ~D * 2^-24 * sum |q k|: max|q| * sum|k| / 65278 (~2^-16), about 1.5e-5 of the logit's
+// condition.
 // Blocks with a non-finite scale take the f32 pass.
 
 // sum + the pairwise products of adjacent int16 lanes of a and the 64 bytes at b (vpdpwssd; see
@@ -568,10 +576,16 @@ HWY_INLINE __m512i PairDotMem(__m512i sum, __m512i a, const int16_t* b) {
   return sum;
 }
 
-// Query row q[0..D) (pre-scaled f32) as int16 in IntDotHeads4's order: per block of 32 dims, the
-// low vector [q0-7, q16-23, q0-7, q16-23] and the high [q8-15, q24-31, ...] (the order in which
-// unpacklo / unpackhi widen a 128-bit lane's codes). Returns the step, NaN for a non-finite row.
-HWY_INLINE float QuantizeQueryRow(const float* q, int64_t D, int16_t* out) {
+// The integer query's largest |element|: 32639, not 32767, so that every element splits into a
+// signed high byte and a signed low byte (IntDotHeads16: qi = 256 * hi + lo, hi in [-128, 127]).
+constexpr float kQueryIntMax = 32639.0f;
+
+// Query row q[0..D) (pre-scaled f32) rounded to integers qi (|qi| <= kQueryIntMax), written twice:
+// as int16 in IntDotHeads4's order (per block of 32 dims, the low vector [q0-7, q16-23, q0-7,
+// q16-23] and the high [q8-15, q24-31, ...], the order in which unpacklo / unpackhi widen a 128-bit
+// lane's codes) to `out`, and split into bytes in IntDotHeads16's order (kQBytesPerBlock per
+// block) to `bytes`. Returns the step, NaN for a non-finite row.
+HWY_INLINE float QuantizeQueryRow(const float* q, int64_t D, int16_t* out, int8_t* bytes) {
   const DF df;
   // max|q| cannot flag the row by itself: x86's max drops a NaN operand, and -inf must be caught
   // too (it is not a bad logit for the softmax, but it is not a representable query here).
@@ -584,7 +598,7 @@ HWY_INLINE float QuantizeQueryRow(const float* q, int64_t D, int16_t* out) {
   }
   if (!finite) return std::numeric_limits<float>::quiet_NaN();
   const float m = hn::GetLane(hn::MaxOfLanes(df, vmax));
-  const VF inv = hn::Set(df, m > 0.0f ? 32767.0f / m : 0.0f);
+  const VF inv = hn::Set(df, m > 0.0f ? kQueryIntMax / m : 0.0f);
   const hn::Rebind<int16_t, DF> d16;
   HWY_ALIGN int16_t r[32];  // one block's elements, rounded to nearest (even on ties, as lrint)
   for (int64_t blk = 0; blk < D / 32; ++blk) {
@@ -598,8 +612,19 @@ HWY_INLINE float QuantizeQueryRow(const float* q, int64_t D, int16_t* out) {
       std::memcpy(o + lane * 8, r + (lane % 2) * 16, 16);
       std::memcpy(o + 32 + lane * 8, r + (lane % 2) * 16 + 8, 16);
     }
+    // qi = 256 * hi + lo with both bytes signed; the correction undoes IntDotHeads16's code offset.
+    int8_t* ob = bytes + blk * kQBytesPerBlock;
+    int32_t sum = 0;
+    for (int i = 0; i < 32; ++i) {
+      const int lo = static_cast<int8_t>(static_cast<uint8_t>(r[i] & 0xFF));
+      ob[i] = static_cast<int8_t>((r[i] - lo) / 256);
+      ob[32 + i] = static_cast<int8_t>(lo);
+      sum += r[i];
+    }
+    const int32_t correction = -128 * sum;
+    std::memcpy(ob + 64, &correction, sizeof(correction));
   }
-  return m * (1.0f / 32767.0f);
+  return m * (1.0f / kQueryIntMax);
 }
 
 // Logits of 4 q8_0 K rows (krow0, kstride apart) for kH query heads: s[g * s_stride + r] =
@@ -663,6 +688,109 @@ HWY_INLINE bool IntDotHeads4(const char* krow0, size_t kstride, const int16_t* q
     }
   }
   return true;
+}
+
+// acc + the sums of four products of the unsigned bytes of `k` with the four signed bytes at q,
+// broadcast to every lane (vpdpbusd with an embedded broadcast; see PairDot for why it is asm).
+HWY_INLINE __m512i QuadDotBroadcast(__m512i acc, __m512i k, const int8_t* q) {
+  asm("vpdpbusd %2%{1to16%}, %1, %0"
+      : "+v"(acc)
+      : "v"(k), "m"(*reinterpret_cast<const int32_t*>(q)));
+  return acc;
+}
+
+// Logits of 16 q8_0 K rows (krow0, kstride apart) for kH query heads, the cells along the lanes:
+// s[g * s_stride + r] = step[g] * sum_blk d[r][blk] * (codes[r] . qi[g]) for rows r < 16. qb: the
+// heads' rows from QuantizeQueryRow's `bytes`, qb_stride bytes apart. Returns false, with s
+// unspecified, when a block scale of the rows is inf or NaN (the caller then runs the f32 pass).
+// Per block, the 16 rows' codes are transposed in registers so that lane r of vector t holds dims
+// 4t .. 4t + 3 of row r, offset by 128 to unsigned bytes; then two vpdpbusd per vector and head
+// (the query's high and low bytes, broadcast from memory) sum 64 products each, exactly, and
+// sum_i (k_i + 128) * qi_i = 256 * sum (k_i + 128) hi_i + sum (k_i + 128) lo_i, less the head's
+// per-block correction 128 * sum qi. Unlike IntDotHeads4 no transposing reduction follows: the
+// lanes already hold the 16 logits of a head. Same rounding of the query as IntDotHeads4 (the same
+// qi), and one int32 -> f32 conversion per block and logit instead of one per 8 lanes: the error
+// bound of the integer K pass holds as stated there. The 16 rows' prefetch requests (DecodeCells'
+// prefetch_row) are spread over the blocks and heads: issued all before the rows (as the 4-row
+// loop does) they left this kernel no faster than IntDotHeads4.
+// Session 13, 16-row against 4-row kernel alternating in one process (best of 30-200 calls,
+// EPYC Zen 5, 32 / 8 heads): in cache (2048 cells, 1 thread) head_dim 64 6-15% faster (8 query
+// heads per KV head 15%, 1 head 9%), 128 4%, 256 (2 heads) equal; at 32768 cells with integer_v
+// head_dim 64 8-27% on 1 thread and 8-11% on 2; head_dim 128 -7% to +14% (noise, the host was
+// busy). The gain is the reduction that IntDotHeads4 pays per cell and head, which matters less as
+// head_dim grows.
+template <int kH, class Prefetch>  // 1..8 heads
+HWY_INLINE bool IntDotHeads16(const char* krow0, size_t kstride, const int8_t* qb,
+                              int64_t qb_stride, const float* step, int64_t D, float* s,
+                              int64_t s_stride, const Prefetch& prefetch_row) {
+  static_assert(kH >= 1 && kH <= 8);
+  __m512 acc[kH];
+  for (int g = 0; g < kH; ++g) acc[g] = _mm512_setzero_ps();
+  // Byte offsets of rows 0..15 for the scales' gather (16 * kstride < 2^31: rows of a view).
+  const __m512i row_offsets =
+      _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                         _mm512_set1_epi32(static_cast<int32_t>(kstride)));
+  const __m512i offset_codes = _mm512_set1_epi8(static_cast<char>(0x80));
+  const auto codes = [&](int64_t r, int64_t blk) {
+    return reinterpret_cast<const __m256i*>(krow0 + static_cast<size_t>(r) * kstride +
+                                            static_cast<size_t>(blk) * BlockBytes(DType::kQ8_0) +
+                                            2);
+  };
+  for (int64_t blk = 0; blk < D / 32; ++blk) {
+    // z[i]: rows i and i + 4 (i < 4), rows 4 + i and 8 + i (i >= 4), so that the last shuffle
+    // below leaves the rows in order along the lanes.
+    __m512i z[8];
+    for (int i = 0; i < 8; ++i) {
+      const int64_t r0 = i < 4 ? i : 4 + i;
+      z[i] = _mm512_xor_si512(
+          _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(codes(r0, blk))),
+                             _mm256_loadu_si256(codes(r0 + 4, blk)), 1),
+          offset_codes);
+    }
+    // 8 x 8 dword transposes inside each 256-bit half, then the halves' 128-bit lanes regrouped.
+    __m512i t[8], u[8], kt[8];
+    for (int i = 0; i < 8; i += 2) {
+      t[i] = _mm512_unpacklo_epi32(z[i], z[i + 1]);
+      t[i + 1] = _mm512_unpackhi_epi32(z[i], z[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) {
+      u[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+      u[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+      u[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+      u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    // u[i] (i < 4) holds dword i of rows 0-3 | dword i + 4 of rows 0-3 | the same of rows 4-7;
+    // u[4 + i] the same for rows 8-15.
+    for (int i = 0; i < 4; ++i) {
+      kt[i] = _mm512_shuffle_i64x2(u[i], u[4 + i], _MM_SHUFFLE(2, 0, 2, 0));
+      kt[i + 4] = _mm512_shuffle_i64x2(u[i], u[4 + i], _MM_SHUFFLE(3, 1, 3, 1));
+    }
+    // The rows' block scales (the f16 in the low half of the dword at the block's start).
+    const __m512 scale = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_i32gather_epi32(
+        row_offsets, krow0 + static_cast<size_t>(blk) * BlockBytes(DType::kQ8_0), 1)));
+    const int64_t per_block = (16 + D / 32 - 1) / (D / 32);
+    for (int g = 0; g < kH; ++g) {
+      for (int64_t r = g * per_block / kH; r < (g + 1) * per_block / kH; ++r) prefetch_row();
+      const int8_t* q = qb + g * qb_stride + blk * kQBytesPerBlock;
+      int32_t correction;
+      std::memcpy(&correction, q + 64, sizeof(correction));
+      __m512i hi = _mm512_setzero_si512(), lo = _mm512_set1_epi32(correction);
+      for (int i = 0; i < 8; ++i) {
+        hi = QuadDotBroadcast(hi, kt[i], q + 4 * i);
+        lo = QuadDotBroadcast(lo, kt[i], q + 32 + 4 * i);
+      }
+      const __m512i dot = _mm512_add_epi32(_mm512_slli_epi32(hi, 8), lo);
+      acc[g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[g]);
+    }
+  }
+  __mmask16 bad = 0;
+  for (int g = 0; g < kH; ++g) {
+    const __m512 logits = _mm512_mul_ps(acc[g], _mm512_set1_ps(step[g]));
+    // A non-finite block scale makes its row's logits non-finite (see IntDotHeads4).
+    bad |= _mm512_fpclass_ps_mask(logits, 0x99);  // QNaN, SNaN, +inf, -inf
+    _mm512_storeu_ps(s + g * s_stride, logits);
+  }
+  return bad == 0;
 }
 #endif  // AVX3_DL
 
@@ -840,6 +968,19 @@ HWY_NOINLINE void DecodeCells(const Ctx& c, int64_t h, int64_t b, int64_t g0, in
     bool use_int = q.i != nullptr;
     for (int g = 0; g < kG && use_int; ++g) use_int = !std::isnan(q.step[g0 + g]);
     static_assert(kG <= 8, "IntDotHeads4 serves up to 8 heads");
+    // (The scales' gather takes 32-bit row offsets.)
+    const bool rows16 = kst <= (size_t{1} << 26);
+    for (; use_int && rows16 && j + 16 <= n; j += 16) {
+      const char* k16 = kbase + static_cast<size_t>(c0 + j) * kst;
+      if (!IntDotHeads16<kG>(k16, kst, q.bytes + g0 * kQBytesPerBlock * (c.D / 32),
+                             kQBytesPerBlock * (c.D / 32), q.step + g0, c.D, &s[0][j],
+                             kBlockCells + kRowPad, prefetch_row)) {
+        for (int64_t r = 0; r < 16; ++r) {  // a non-finite scale: these rows' f32 logits
+          DotHeads<T, kG>(df, k16 + static_cast<size_t>(r) * kst, qs + g0 * c.Dp, c.Dp, c.D,
+                          &s[0][j + r], kBlockCells + kRowPad);
+        }
+      }
+    }
     for (; use_int && j + 4 <= n; j += 4) {
       for (int64_t r = 0; r < 4; ++r) prefetch_row();
       const char* k4 = kbase + static_cast<size_t>(c0 + j) * kst;
@@ -1007,9 +1148,11 @@ void DecodeHeadChunk(const Ctx& c, int64_t h, int64_t chunk) {
   integer_k = T == DType::kQ8_0 && c.p.integer_k;
 #endif
   const size_t qf_floats = static_cast<size_t>(c.B * c.G * c.Dp);
-  const size_t qi_floats = integer_k ? static_cast<size_t>(c.B * c.G * c.D) : 0;
+  const int64_t qb_row = kQBytesPerBlock * (c.D / 32);  // bytes per head
+  const size_t qi_floats = integer_k ? static_cast<size_t>(c.B * c.G * (c.D + qb_row / 4)) : 0;
   float* qs = attn::ThreadScratch(qf_floats + qi_floats + (integer_k ? c.B * c.G : 0), 1);
   int16_t* qi = integer_k ? reinterpret_cast<int16_t*>(qs + qf_floats) : nullptr;
+  int8_t* qbytes = integer_k ? reinterpret_cast<int8_t*>(qi + c.B * c.G * 2 * c.D) : nullptr;
   float* qstep = qs + qf_floats + qi_floats;
   const VF vscale = hn::Set(df, c.p.scale);
   for (int64_t b = 0; b < c.B; ++b) {
@@ -1022,7 +1165,10 @@ void DecodeHeadChunk(const Ctx& c, int64_t h, int64_t chunk) {
       }
       for (; i < c.Dp; ++i) dst[i] = i < c.D ? src[i] * c.p.scale : 0.0f;
 #if HWY_TARGET == HWY_AVX3_DL
-      if (integer_k) qstep[b * c.G + g] = QuantizeQueryRow(dst, c.D, qi + (b * c.G + g) * 2 * c.D);
+      if (integer_k) {
+        qstep[b * c.G + g] = QuantizeQueryRow(dst, c.D, qi + (b * c.G + g) * 2 * c.D,
+                                              qbytes + (b * c.G + g) * qb_row);
+      }
 #endif
     }
   }
@@ -1031,6 +1177,7 @@ void DecodeHeadChunk(const Ctx& c, int64_t h, int64_t chunk) {
     r.f = qs + b * c.G * c.Dp;
     if (integer_k) {
       r.i = qi + b * c.G * 2 * c.D;
+      r.bytes = qbytes + b * c.G * qb_row;
       r.step = qstep + b * c.G;
     }
     return r;

@@ -239,8 +239,9 @@ struct Run {
 constexpr double kIntegerVTol = 16.0 / 65536.0;
 
 // Integer K pass (AttentionKernelParams::integer_k, q8_0, AVX3_DL only): each pre-scaled query
-// element is off by at most max|q| * scale / 65534 (16-bit rounding of its row), so a logit moves
-// by at most delta = max|q| * scale / 65534 * max_j sum_i |k_ji|, and every softmax weight by a
+// element is off by at most max|q| * scale / 65278 (rounded to integers of at most 32639 in
+// magnitude, see kQueryIntMax), so a logit moves by at most
+// delta = max|q| * scale / 65278 * max_j sum_i |k_ji|, and every softmax weight by a
 // factor within e^(+-2 delta): the output by at most (e^(2 delta) - 1) * max|V|. CheckCase adds
 // that (computed from the case's stored K) for those runs.
 
@@ -308,7 +309,7 @@ void CheckCase(const Case& c, std::initializer_list<Run> given) {
       ksum_max = std::max(ksum_max, ks);
     }
   }
-  const double int_k_tol = std::expm1(2.0 * qmax / 65534.0 * ksum_max);
+  const double int_k_tol = std::expm1(2.0 * qmax / 65278.0 * ksum_max);
   const double tol = 1.0 * (2.0 * dlogit + 2e-6);  // max|V| <= 1
   for (const Run& run : runs) {
     SCOPED_TRACE("mode=" + std::to_string(static_cast<int>(run.mode)) +
@@ -544,8 +545,9 @@ TEST_P(AttentionTest, IntegerVTinyValues) {
 // The integer K pass against the f32 pass on the same q8_0 history: within its bound (see
 // CheckCase), different where it runs (AVX3_DL) and identical elsewhere; and with a K block scale
 // of inf or NaN (outside the kernel's contract: the logits must be finite) the outputs are
-// non-finite exactly where the f32 pass's are (the 4 cells around it take the f32 pass). With 4
-// and 8 query heads per KV head (8 heads share one pass over the codes and fall back together).
+// non-finite exactly where the f32 pass's are (the 16 or 4 cells around it take the f32 pass:
+// cell 123 is read 16 rows at a time, cell 290 in the block's 4-row tail). With 4 and 8 query
+// heads per KV head (8 heads share one pass over the codes and fall back together).
 TEST_P(AttentionTest, IntegerKAgainstTheF32Pass) {
   SCOPED_TRACE("target=" + TargetNow());
   constexpr int D = SmallDecode::D, Hkv = SmallDecode::Hkv, L = SmallDecode::L;
@@ -563,9 +565,11 @@ TEST_P(AttentionTest, IntegerKAgainstTheF32Pass) {
   }
   const int64_t best = hwy::SupportedTargets() & -hwy::SupportedTargets();
   for (const char* stored : {"finite", "inf", "nan"}) {
-    if (stored[0] != 'f') {  // cell 123 of head 1, block 1's scale
+    if (stored[0] != 'f') {  // cells 123 and 290 of head 1, block 1's scale
       const uint16_t bits = stored[0] == 'i' ? 0x7C00 : 0x7E00;
-      std::memcpy(static_cast<char*>(RowPtr(h.k, 1, 123)) + BlockBytes(DType::kQ8_0), &bits, 2);
+      for (int cell : {123, 290}) {
+        std::memcpy(static_cast<char*>(RowPtr(h.k, 1, cell)) + BlockBytes(DType::kQ8_0), &bits, 2);
+      }
     }
     for (int G : {4, 8}) {
       SCOPED_TRACE(std::string(stored) + " G=" + std::to_string(G));
@@ -575,7 +579,7 @@ TEST_P(AttentionTest, IntegerKAgainstTheF32Pass) {
       kp.mode = AttentionMode::kDecode;
       double qmax = 0;
       for (float x : sd.q) qmax = std::max(qmax, std::fabs(static_cast<double>(x)) * kp.scale);
-      const double bound = std::expm1(2.0 * qmax / 65534.0 * ksum_max) + 1e-5;  // max|V| <= 1
+      const double bound = std::expm1(2.0 * qmax / 65278.0 * ksum_max) + 1e-5;  // max|V| <= 1
       std::vector<float> out_f, out_i;
       TensorView of = sd.Out(&out_f), oi = sd.Out(&out_i);
       kernels::Attention(sd.qv, h.k, h.v, TensorView{}, kp, {}, &of);
