@@ -718,7 +718,10 @@ HWY_INLINE __m512i QuadDotBroadcast(__m512i acc, __m512i k, const int8_t* q) {
 // heads per KV head 15%, 1 head 9%), 128 4%, 256 (2 heads) equal; at 32768 cells with integer_v
 // head_dim 64 8-27% on 1 thread and 8-11% on 2; head_dim 128 -7% to +14% (noise, the host was
 // busy). The gain is the reduction that IntDotHeads4 pays per cell and head, which matters less as
-// head_dim grows.
+// head_dim grows. The same transpose for the f32 pass (each code byte sign-extended in its lane
+// and converted, one FMA per 16 codes and head with the query element broadcast from memory, one
+// per block and head for the scales) was measured and not kept: equal at head_dim 64, 5-10%
+// slower at 128 (the FMAs and conversions, not the reduction, bound that pass).
 template <int kH, class Prefetch>  // 1..8 heads
 HWY_INLINE bool IntDotHeads16(const char* krow0, size_t kstride, const int8_t* qb,
                               int64_t qb_stride, const float* step, int64_t D, float* s,
