@@ -15,8 +15,18 @@
 // 2-5% off the call), GatherScales 8%, the prefetch loops 6%. The reduction is already ~1 add per
 // 16 lanes of partial sums; what would reach 1.5x f16 at 32768 cells (q8_0 is compute-bound there,
 // f16 is not) is a ~25% smaller per-cell cost, which no single item here offers.
+// Session 13, with IntDotHeads16 (no reduction), same setup: ~9.6 ns per cell and KV head; K pass
+// ~37% (its dots ~23%, the transpose, scale gather and prefetch requests ~12%), V pass ~23%, the V
+// weights' rounding ~6%, softmax ~13%, GatherScales ~6%; at head_dim 128 (~16-18 ns) K ~38%, V
+// ~26%, weights ~9%. The floor: vpdpbusd, vpdpwssd and vfmadd231ps each issue 2 per cycle here
+// (microbenchmark, 12 independent chains), so with 4 heads per KV head the integer dots need
+// 8 * D / 64 cycles per cell (K and V together; the query's two bytes double the K side), against
+// f16's 16 * D / 64 cycles of FMAs plus its conversions. Measured, those dots are ~1/4 of a q8_0
+// call; the rest (transposes, the V weights' rounding, scale gathers, softmax, stalls on the
+// prefetch instructions and first touches) costs more than f16's work beside its FMAs.
 //
-// AVX3_DL (AVX-512 with VNNI) is compiled too: the integer V and K passes use its vpdpwssd.
+// AVX3_DL (AVX-512 with VNNI) is compiled too: the integer V and K passes use its vpdpwssd and
+// vpdpbusd.
 // Highway 1.0.3 leaves the target out unless asked; it must be asked before any Highway header.
 #ifndef HWY_WANT_AVX3_DL
 #define HWY_WANT_AVX3_DL
