@@ -31,6 +31,7 @@ class Cache {
   virtual Status StartForward(const Batch& batch, bool reserve) = 0;
   virtual void SetLayer(int layer) = 0;
   // key: [k_head_dim, kv_heads, batch], value: [v_head_dim, kv_heads, batch]; f32, f16 or bf16.
+  // Causal family: every Put of a layer takes the shapes and input dtypes of its first Put.
   virtual Status Put(const TensorView& key, const TensorView& value) = 0;
   // Views valid until the next StartForward, Remove, CopyPrefix or Close.
   virtual History Get() = 0;
@@ -92,6 +93,7 @@ std::unique_ptr<CausalCache> NewChunkedAttentionCache(int32_t chunk, ShiftFn shi
 
 class EncoderCache : public Cache {
  public:
+  // Get's views carry null data while this is false (their shapes are those last Put).
   virtual bool EncoderCached() const = 0;
 };
 std::unique_ptr<EncoderCache> NewEncoderCache();

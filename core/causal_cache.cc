@@ -493,6 +493,13 @@ Status CausalCacheImpl::Put(const TensorView& key, const TensorView& value) {
   } else {
     KV_RETURN_IF_ERROR(ValidateLayerShapes(LayerStorage(), key.ne[0], value.ne[0], key.ne[1]));
   }
+  if (layer_ < static_cast<int>(layers_.size()) && layers_[layer_].input_known &&
+      (key.dtype != layers_[layer_].k_input || value.dtype != layers_[layer_].v_input)) {
+    return Status::Error(Code::kInvalidArgument, "layer %d was given K/V in %s/%s, now %s/%s",
+                         layer_, DTypeName(layers_[layer_].k_input),
+                         DTypeName(layers_[layer_].v_input), DTypeName(key.dtype),
+                         DTypeName(value.dtype));
+  }
   if (layer_ >= static_cast<int>(layers_.size())) layers_.resize(layer_ + 1);
   LayerStorage& layer = layers_[layer_];
   if (!layer.allocated) {
@@ -500,6 +507,9 @@ Status CausalCacheImpl::Put(const TensorView& key, const TensorView& value) {
                                      static_cast<int32_t>(value.ne[0]),
                                      static_cast<int32_t>(key.ne[1])));
   }
+  layer.input_known = true;
+  layer.k_input = key.dtype;
+  layer.v_input = value.dtype;
   // A reserve pass sizes storage only: writing to cells 0..B-1 would clobber live tokens.
   if (reserve_) return Status::Ok();
   const std::span<const int32_t> cells(batch_cells_, batch_size_);

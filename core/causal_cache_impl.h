@@ -22,6 +22,11 @@ constexpr int kMaxLayers = 4096;
 
 struct LayerStorage {
   bool allocated = false;
+  // The input dtypes of the layer's first Put; every later Put must match (SEMANTICS.md section
+  // 5). A saved session does not record them: a layer that a load allocates learns them at its
+  // next Put.
+  bool input_known = false;
+  DType k_input = DType::kF32, v_input = DType::kF32;
   CellBlockLayout k_layout;
   CellBlockLayout v_layout;
   void* k = nullptr;

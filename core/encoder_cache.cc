@@ -8,7 +8,9 @@
 //
 // Choices beyond Ollama's encoder.go (documented in core/cache.h and here):
 // - A reserve pass's Put sizes storage (preserving any cached data) but neither copies nor marks
-//   the encoder cached: the reserve graph is never a real image.
+//   the encoder cached: the reserve graph is never a real image. While the encoder is not cached
+//   (only reserved, or its image removed) Get's views keep their shapes with data null; Ollama
+//   returns the tensors it last allocated.
 // - EncoderOptions::per_sequence keeps one block per sequence (Ollama holds one for all).
 // - Save / load (Serialize / Deserialize, stream kind 4; format and rules in core/persistence.h):
 //   a load parses and checks the whole stream, allocates any larger blocks into locals, and only
@@ -252,6 +254,9 @@ class EncoderCacheImpl final : public EncoderCache {
     if (!ls.has_view) return h;
     h.k = ls.k_view;
     h.v = ls.v_view;
+    // SEMANTICS.md §9: data null until cached. The shapes stay (a reserve pass's sizing reads
+    // them); a reserve pass's zeros and a removed image's rows are not the encoder output.
+    if (!slot.cached) h.k.data = h.v.data = nullptr;
     return h;
   }
 

@@ -323,6 +323,8 @@ class CausalCacheModel final : public CacheModel {
   struct Layer {
     bool allocated = false;
     int64_t kd = 0, vd = 0, heads = 0;
+    bool input_known = false;  // the input dtypes of the layer's first Put; later Puts match
+    kv::DType k_input = kv::DType::kF32, v_input = kv::DType::kF32;
     std::vector<std::vector<std::vector<float>>> k, v;  // [cell][head][elem], zero-filled
   };
 
@@ -446,9 +448,15 @@ class CausalCacheModel final : public CacheModel {
     const Layer* existing = layer_ < static_cast<int>(layers_.size()) ? &layers_[layer_] : nullptr;
     if (CheckShapes(existing, k.ne[0], v.ne[0], k.ne[1]) != Result::kOk)
       return Result::kInvalidArgument;
+    if (existing != nullptr && existing->input_known &&
+        (k.dtype != existing->k_input || v.dtype != existing->v_input))
+      return Result::kInvalidArgument;
     if (layer_ >= static_cast<int>(layers_.size())) layers_.resize(layer_ + 1);
     Layer& layer = layers_[layer_];
     if (!layer.allocated) Allocate(&layer, k.ne[0], v.ne[0], k.ne[1]);
+    layer.input_known = true;
+    layer.k_input = k.dtype;
+    layer.v_input = v.dtype;
     if (reserve_) return Result::kOk;  // a reserve pass sizes storage only
     for (int64_t i = 0; i < b; ++i) {
       const int cell = m_.batch_cells[i];
@@ -650,6 +658,7 @@ class EncoderCacheModel final : public CacheModel {
     if (!initialized_ || layer_ < 0) return h;
     const Slot& slot = slots_[cur_];
     if (layer_ >= static_cast<int>(slot.layers.size()) || !slot.layers[layer_].has) return h;
+    if (!slot.cached) return h;  // data null until cached (the shapes are not compared)
     const Stored& st = slot.layers[layer_];
     h.has_kv = true;
     h.kv_dtype = st.k.dtype;

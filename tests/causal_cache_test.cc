@@ -2,6 +2,7 @@
 // among them), error paths that must leave the cache unchanged, and a randomized comparison with
 // the plain reference model in fuzz/reference_model.h.
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <random>
 #include <string>
@@ -328,6 +329,36 @@ TEST(CausalPut, ShapeAndDtypeMismatchesAreRejected) {
                   ->Put(MakeView(buf.data(), DType::kF32, {64, 1, 2}),
                         MakeView(buf.data(), DType::kF32, {32, 1, 2}))
                   .ok());
+}
+
+// SEMANTICS.md section 5: a Put whose input dtype differs from the layer's earlier Puts is
+// kInvalidArgument and writes nothing (K and V may differ from each other; another layer, or the
+// same layer after Init, may take another dtype). Before, any float input was converted.
+TEST(CausalPut, InputDtypeChangeWithinALayerIsRejected) {
+  auto cache = NewCausalCache();
+  ASSERT_TRUE(cache->Init(DType::kF16, 1, 16, 4).ok());
+  ASSERT_TRUE(Start(cache.get(), {0}, {0}).ok());
+  cache->SetLayer(0);
+  std::vector<float> f32(8, 0.5f);
+  std::vector<uint16_t> f16(8, 0x4200);  // 3.0
+  const auto f32v = [&] { return MakeView(f32.data(), DType::kF32, {8, 1, 1}); };
+  const auto f16v = [&] { return MakeView(f16.data(), DType::kF16, {8, 1, 1}); };
+  ASSERT_TRUE(cache->Put(f32v(), f16v()).ok());  // K f32, V f16
+  ASSERT_TRUE(Start(cache.get(), {1}, {0}).ok());
+  const History before = cache->Get();
+  const std::vector<uint8_t> k_before(static_cast<const uint8_t*>(before.k.data),
+                                      static_cast<const uint8_t*>(before.k.data) + 4 * 16);
+  EXPECT_EQ(cache->Put(f16v(), f16v()).code(), Code::kInvalidArgument);  // K now f16
+  EXPECT_EQ(cache->Put(f32v(), f32v()).code(), Code::kInvalidArgument);  // V now f32
+  const History after = cache->Get();
+  EXPECT_EQ(std::memcmp(after.k.data, k_before.data(), k_before.size()), 0);  // cell 1 unwritten
+  EXPECT_TRUE(cache->Put(f32v(), f16v()).ok());
+  cache->SetLayer(1);
+  EXPECT_TRUE(cache->Put(f16v(), f32v()).ok());
+  ASSERT_TRUE(cache->Init(DType::kF16, 1, 16, 4).ok());
+  ASSERT_TRUE(Start(cache.get(), {0}, {0}).ok());
+  cache->SetLayer(0);
+  EXPECT_TRUE(cache->Put(f16v(), f16v()).ok());
 }
 
 TEST(CausalPut, EveryStorageTypeRoundTripsThroughGet) {

@@ -206,11 +206,13 @@ TEST(EncoderCache, RemoveToTheEndCoversThePosition) {
   EXPECT_TRUE(c->Remove(0, 0, 2).ok() && c->EncoderCached());  // [0, 2) does not hold 2
   EXPECT_TRUE(c->Remove(0, 0, kPosMax).ok());
   EXPECT_FALSE(c->EncoderCached());
+  EXPECT_EQ(c->Get().k.data, nullptr);  // the removed image is not served (data null)
   // A new Put (a new image) caches it again at the newly recorded position.
   TestBatch d = Tokens(0, 3, 0, {0});
   ASSERT_TRUE(c->StartForward(d.Get(), false).ok());
   ASSERT_TRUE(c->Put(k.view, k.view).ok());
   EXPECT_TRUE(c->EncoderCached());
+  EXPECT_NE(c->Get().k.data, nullptr);
   EXPECT_TRUE(c->Remove(0, 0, 1).ok());
   EXPECT_FALSE(c->EncoderCached());
 }
@@ -222,11 +224,13 @@ TEST(EncoderCache, ReservePassSizesButDoesNotCacheOrClobber) {
   F32Tensor big(8, 2, 16, 5.0f);
   ASSERT_TRUE(c->Put(big.view, big.view).ok());
   EXPECT_FALSE(c->EncoderCached());
-  // The reserve pass learns the worst-case shape (zero-filled storage) for sizing.
+  // The reserve pass learns the worst-case shape for sizing; the data stay null until cached
+  // (SEMANTICS.md §9).
   History r = c->Get();
-  ASSERT_NE(r.k.data, nullptr);
+  EXPECT_EQ(r.k.data, nullptr);
+  EXPECT_EQ(r.v.data, nullptr);
   EXPECT_EQ(r.k.ne[2], 16);
-  EXPECT_EQ(ReadF32(r.k), std::vector<float>(8 * 2 * 16, 0.0f));
+  EXPECT_EQ(r.v.ne[2], 16);
   const size_t reserved = c->MemoryBytes();
   EXPECT_GE(reserved, 2 * 8 * 2 * 16 * 4u);
 

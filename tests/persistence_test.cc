@@ -621,7 +621,8 @@ TEST(PersistenceEncoder, RoundTripEveryModeDTypeAndVLayoutContinuesIdentically) 
           ASSERT_TRUE(EncStart(b.get(), 2, 1, false).ok());
           EXPECT_FALSE(b->EncoderCached());  // the reserve pass cached nothing
           b->SetLayer(0);
-          EXPECT_NE(b->Get().k.data, nullptr);  // but its storage and view came back
+          EXPECT_EQ(b->Get().k.data, nullptr);  // data null until cached (SEMANTICS.md §9)
+          EXPECT_GT(b->Get().k.ne[2], 1);       // but its storage and view's shape came back
           ASSERT_TRUE(EncStart(a.get(), 2, 1, false).ok());
         } else {
           // The recorded-but-unused position 12 survived: a Put without a multimodal token
