@@ -718,9 +718,11 @@ HWY_INLINE __m512i QuadDotBroadcast(__m512i acc, __m512i k, const int8_t* q) {
 // (the query's high and low bytes, broadcast from memory) sum 64 products each, exactly, and
 // sum_i (k_i + 128) * qi_i = 256 * sum (k_i + 128) hi_i + sum (k_i + 128) lo_i, less the head's
 // per-block correction 128 * sum qi. Unlike IntDotHeads4 no transposing reduction follows: the
-// lanes already hold the 16 logits of a head. Same rounding of the query as IntDotHeads4 (the same
-// qi), and one int32 -> f32 conversion per block and logit instead of one per 8 lanes: the error
-// bound of the integer K pass holds as stated there. The 16 rows' prefetch requests (DecodeCells'
+// lanes already hold the 16 logits of a head. The int32 sums cannot overflow: 256 * |sum
+// (k + 128) hi| <= 256 * 32 * 255 * 128 < 2^28 and |sum k qi| <= 32 * 128 * 32639 < 2^28. Same
+// rounding of the query as IntDotHeads4 (the same qi), and one int32 -> f32 conversion per block
+// and logit instead of one per 8 lanes: the error bound of the integer K pass holds as stated
+// there. The 16 rows' prefetch requests (DecodeCells'
 // prefetch_row) are spread over the blocks and heads: issued all before the rows (as the 4-row
 // loop does) they left this kernel no faster than IntDotHeads4.
 // Session 13, 16-row against 4-row kernel alternating in one process (best of 30-200 calls,
@@ -739,7 +741,7 @@ HWY_INLINE bool IntDotHeads16(const char* krow0, size_t kstride, const int8_t* q
   static_assert(kH >= 1 && kH <= 8);
   __m512 acc[kH];
   for (int g = 0; g < kH; ++g) acc[g] = _mm512_setzero_ps();
-  // Byte offsets of rows 0..15 for the scales' gather (16 * kstride < 2^31: rows of a view).
+  // Byte offsets of rows 0..15 for the scales' gather (the caller keeps 15 * kstride < 2^31).
   const __m512i row_offsets =
       _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
                          _mm512_set1_epi32(static_cast<int32_t>(kstride)));
