@@ -68,7 +68,8 @@ typedef struct kvc_tensor {
 kvc_tensor kvc_make_tensor(void* data, kvc_dtype dtype, int dims, const int64_t* ne);
 
 /* What kvc_get returns: K [k_head_dim, kv_heads, L], V [v_head_dim, kv_heads, L] (or
- * [L, v_head_dim, kv_heads] with permuted_v), mask [L, B] of 0 / -inf (data NULL: no mask). */
+ * [L, v_head_dim, kv_heads] with permuted_v), mask [L, B] of 0 / -inf (data NULL: no mask). An
+ * encoder returns its K / V as last Put, with data NULL while kvc_encoder_cached is 0. */
 typedef struct kvc_history {
   kvc_tensor k, v, mask;
 } kvc_history;
