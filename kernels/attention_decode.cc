@@ -76,7 +76,10 @@ constexpr int64_t kScaleStride = kBlockCells + kRowPad;
 // of 128 changed nothing. One cursor over each stream's lines (no loop per row) saved 1-5% in cache
 // but ran 12-20% slower at 32768 cells when it asked for four K rows' lines before their V rows'
 // lines, or for two lines of each alternately; asking row by row (K row, then V row), as here, was
-// the fastest order measured.
+// the fastest order measured. Session 13, f16 at 32768 cells, alternating in one process: asking
+// for the next piece's K rows with prefetcht2 (into L2) and again with prefetcht0 in its K pass
+// ran 5-12% slower; adding prefetcht2 requests for the next piece's V rows (and the K rows of the
+// piece after it) during the V pass ran 14-33% slower. More requests cost more than they hide.
 constexpr int64_t kPrefetchBytes = 4096;
 constexpr int64_t kMaxQBlocks = kAttentionMaxHeadDim / 32;
 
