@@ -986,6 +986,13 @@ HWY_NOINLINE void DecodeCells(const Ctx& c, int64_t h, int64_t b, int64_t g0, in
     bool use_int = q.i != nullptr;
     for (int g = 0; g < kG && use_int; ++g) use_int = !std::isnan(q.step[g0 + g]);
     static_assert(kG <= 8, "IntDotHeads4 serves up to 8 heads");
+    // Rows [j, j + rows) with a non-finite block scale: their f32 logits, as the reference has.
+    const auto f32_logits = [&](int64_t j, int64_t rows) {
+      for (int64_t r = j; r < j + rows; ++r) {
+        DotHeads<T, kG>(df, kbase + static_cast<size_t>(c0 + r) * kst, qs + g0 * c.Dp, c.Dp, c.D,
+                        &s[0][r], kBlockCells + kRowPad);
+      }
+    };
     // (The scales' gather takes 32-bit row offsets.)
     const bool rows16 = kst <= (size_t{1} << 26);
     for (; use_int && rows16 && j + 16 <= n; j += 16) {
@@ -993,10 +1000,7 @@ HWY_NOINLINE void DecodeCells(const Ctx& c, int64_t h, int64_t b, int64_t g0, in
       if (!IntDotHeads16<kG>(k16, kst, q.bytes + g0 * kQBytesPerBlock * (c.D / 32),
                              kQBytesPerBlock * (c.D / 32), q.step + g0, c.D, &s[0][j],
                              kBlockCells + kRowPad, prefetch_row)) {
-        for (int64_t r = 0; r < 16; ++r) {  // a non-finite scale: these rows' f32 logits
-          DotHeads<T, kG>(df, k16 + static_cast<size_t>(r) * kst, qs + g0 * c.Dp, c.Dp, c.D,
-                          &s[0][j + r], kBlockCells + kRowPad);
-        }
+        f32_logits(j, 16);
       }
     }
     for (; use_int && j + 4 <= n; j += 4) {
@@ -1004,10 +1008,7 @@ HWY_NOINLINE void DecodeCells(const Ctx& c, int64_t h, int64_t b, int64_t g0, in
       const char* k4 = kbase + static_cast<size_t>(c0 + j) * kst;
       if (!IntDotHeads4<kG>(k4, kst, q.i + g0 * 2 * c.D, 2 * c.D, q.step + g0, c.D, &s[0][j],
                             kBlockCells + kRowPad)) {
-        for (int64_t r = 0; r < 4; ++r) {  // a non-finite scale: these rows' f32 logits
-          DotHeads<T, kG>(df, k4 + static_cast<size_t>(r) * kst, qs + g0 * c.Dp, c.Dp, c.D,
-                          &s[0][j + r], kBlockCells + kRowPad);
-        }
+        f32_logits(j, 4);
       }
     }
   }
