@@ -488,17 +488,14 @@ Status CausalCacheImpl::Put(const TensorView& key, const TensorView& value) {
     return Status::Error(Code::kInvalidArgument, "K has %lld kv heads, V has %lld",
                          (long long)key.ne[1], (long long)value.ne[1]);
   }
-  if (layer_ < static_cast<int>(layers_.size())) {
-    KV_RETURN_IF_ERROR(ValidateLayerShapes(layers_[layer_], key.ne[0], value.ne[0], key.ne[1]));
-  } else {
-    KV_RETURN_IF_ERROR(ValidateLayerShapes(LayerStorage(), key.ne[0], value.ne[0], key.ne[1]));
-  }
-  if (layer_ < static_cast<int>(layers_.size()) && layers_[layer_].input_known &&
-      (key.dtype != layers_[layer_].k_input || value.dtype != layers_[layer_].v_input)) {
+  static const LayerStorage kFresh;  // a layer not Put yet
+  const LayerStorage& existing =
+      layer_ < static_cast<int>(layers_.size()) ? layers_[layer_] : kFresh;
+  KV_RETURN_IF_ERROR(ValidateLayerShapes(existing, key.ne[0], value.ne[0], key.ne[1]));
+  if (existing.input_known && (key.dtype != existing.k_input || value.dtype != existing.v_input)) {
     return Status::Error(Code::kInvalidArgument, "layer %d was given K/V in %s/%s, now %s/%s",
-                         layer_, DTypeName(layers_[layer_].k_input),
-                         DTypeName(layers_[layer_].v_input), DTypeName(key.dtype),
-                         DTypeName(value.dtype));
+                         layer_, DTypeName(existing.k_input), DTypeName(existing.v_input),
+                         DTypeName(key.dtype), DTypeName(value.dtype));
   }
   if (layer_ >= static_cast<int>(layers_.size())) layers_.resize(layer_ + 1);
   LayerStorage& layer = layers_[layer_];
