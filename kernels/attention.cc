@@ -22,6 +22,10 @@
 #include <cstring>
 #include <limits>
 
+#if (defined(__GNUC__) || defined(__clang__)) && (defined(__x86_64__) || defined(__i386__))
+#include <cpuid.h>
+#endif
+
 #include "kernels/attention_internal.h"
 
 #undef HWY_TARGET_INCLUDE
@@ -360,6 +364,30 @@ namespace kv::kernels {
 
 HWY_EXPORT(PrefillImpl);
 
+namespace {
+// AMD family 19h: Zen 3 and Zen 4 (Zen 5 is 1Ah).
+bool IsAmdFamily19h() {
+#if (defined(__GNUC__) || defined(__clang__)) && (defined(__x86_64__) || defined(__i386__))
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  if (__get_cpuid(0, &eax, &ebx, &ecx, &edx) == 0) return false;
+  // "AuthenticAMD" in ebx, edx, ecx.
+  const bool amd = ebx == 0x68747541u && edx == 0x69746e65u && ecx == 0x444d4163u;
+  if (!amd || __get_cpuid(1, &eax, &ebx, &ecx, &edx) == 0) return false;
+  const unsigned base = (eax >> 8) & 0xFu;
+  const unsigned family = base == 0xFu ? base + ((eax >> 20) & 0xFFu) : base;
+  return family == 0x19u;
+#else
+  return false;
+#endif
+}
+}  // namespace
+
+PrefetchLevel ResolvePrefetchLevel(PrefetchLevel requested) {
+  if (requested != PrefetchLevel::kAuto) return requested;
+  static const PrefetchLevel resolved = IsAmdFamily19h() ? PrefetchLevel::kL2 : PrefetchLevel::kL1;
+  return resolved;
+}
+
 void Attention(const TensorView& q, const TensorView& k, const TensorView& v,
                const TensorView& mask, const AttentionKernelParams& params, const ParallelForFn& pf,
                TensorView* out) {
@@ -370,6 +398,7 @@ void Attention(const TensorView& q, const TensorView& k, const TensorView& v,
   c.mask = mask;
   c.out = *out;
   c.p = params;
+  c.p.prefetch = ResolvePrefetchLevel(params.prefetch);
   c.D = k.ne[0];
   c.Hkv = k.ne[1];
   c.L = k.ne[2];

@@ -79,6 +79,13 @@ inline constexpr int64_t kAttentionMaxHeadDim = 512;
 
 enum class AttentionMode : uint8_t { kAuto, kDecode, kPrefill };
 
+// Where decode's software prefetches put the K/V lines they ask for ahead of use.
+enum class PrefetchLevel : uint8_t {
+  kAuto,  // by CPU (ResolvePrefetchLevel): kL2 on AMD family 19h (Zen 3 / Zen 4), else kL1
+  kL1,    // prefetcht0: into L1 (and L2)
+  kL2,    // prefetcht2: into L2 only; the loads bring the lines into L1
+};
+
 struct AttentionKernelParams {
   float scale = 0;               // already resolved by the caller (never 0 here unless intended)
   float softcap = 0;             // 0: none
@@ -94,7 +101,15 @@ struct AttentionKernelParams {
   // (a logit moves by at most max|q| * scale * sum|k| / 65278, ~2^-16; derivation in
   // attention_decode.cc) where the CPU has AVX512_VNNI; elsewhere the f32 pass runs.
   bool integer_k = false;
+  // kAuto unless a benchmark compares the two (perf/bench_attention.cc).
+  PrefetchLevel prefetch = PrefetchLevel::kAuto;
 };
+
+// kAuto resolved for this CPU (cpuid, read once); kL1 / kL2 as given. On the Zen 4 EPYC of
+// session 14, decode at 32768 cells ran 7-25% faster with kL2 (f16 and q8_0, head_dim 64 / 128,
+// 1 and 2 threads; in cache the same): prefetcht0 requests stalled on L1's miss buffers. The Zen 5
+// EPYC of sessions 10-13 was measured with kL1 throughout (its L1 prefetches kept up).
+PrefetchLevel ResolvePrefetchLevel(PrefetchLevel requested);
 
 // A parallel-for: run must call task(ctx, i) exactly once for every i in [0, n), from any threads,
 // and return when all calls have returned. Tasks write disjoint memory. run == nullptr: run inline.

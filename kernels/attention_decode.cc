@@ -80,6 +80,14 @@ constexpr int64_t kScaleStride = kBlockCells + kRowPad;
 // for the next piece's K rows with prefetcht2 (into L2) and again with prefetcht0 in its K pass
 // ran 5-12% slower; adding prefetcht2 requests for the next piece's V rows (and the K rows of the
 // piece after it) during the V pass ran 14-33% slower. More requests cost more than they hide.
+// Session 14, on a Zen 4 EPYC (family 19h: 512-bit FMAs at 1 per cycle, so decode is bound by
+// arithmetic at 1 thread): every request above with prefetcht2 instead of prefetcht0 ran 7-25%
+// faster at 32768 cells (f16 and q8_0, head_dim 64 / 128, 1 and 2 threads; the same in cache).
+// With prefetcht0 the requests stalled (perf: ~13% of a q8_0 call on two prefetch instructions)
+// and the first loads of V rows still missed. Only the requests for the V rows and for the next
+// piece's K rows matter (the cold piece's own K rows with t2 as well: within 1%). PrefetchLevel
+// (kernels/attention.h) picks the hint per CPU; bench_attention's BM_DecodePrefetchLevels
+// measures both on any machine.
 constexpr int64_t kPrefetchBytes = 4096;
 constexpr int64_t kMaxQBlocks = kAttentionMaxHeadDim / 32;
 
@@ -99,15 +107,18 @@ constexpr int64_t kQBytesPerBlock = 80;
 
 // Requests the cache lines of [next, end) a few at a time, from inside a loop that does other work,
 // so that the requests are spread over it instead of stalling on the miss buffers all at once.
-// Once every line is asked for, Issue is a compare.
+// Once every line is asked for, Issue is a compare. to_l2: prefetcht2 instead of prefetcht0
+// (PrefetchLevel, kernels/attention.h).
 struct LineCursor {
   const char* next = nullptr;
   const char* end = nullptr;
   size_t lines_per_step = 0;
+  bool to_l2 = false;
   // The lines of bytes [from, to), spread over `steps` calls of Issue (none when the range is
   // empty).
-  static LineCursor Over(const char* from, const char* to, int64_t steps) {
+  static LineCursor Over(const char* from, const char* to, int64_t steps, bool to_l2) {
     LineCursor lc;
+    lc.to_l2 = to_l2;
     if (to <= from || steps <= 0) return lc;
     lc.next = reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(from) & ~uintptr_t{63});
     lc.end = to;
@@ -116,7 +127,13 @@ struct LineCursor {
     return lc;
   }
   HWY_INLINE void Issue() {
-    for (size_t i = 0; i < lines_per_step && next < end; ++i, next += 64) attn::PrefetchLine(next);
+    for (size_t i = 0; i < lines_per_step && next < end; ++i, next += 64) {
+      if (to_l2) {
+        attn::PrefetchLineL2(next);
+      } else {
+        attn::PrefetchLine(next);
+      }
+    }
   }
 };
 
@@ -970,16 +987,17 @@ HWY_NOINLINE void DecodeCells(const Ctx& c, int64_t h, int64_t b, int64_t g0, in
   const int64_t ahead =
       std::clamp<int64_t>(kPrefetchBytes / static_cast<int64_t>(RowBytes(T, c.D)), 8, 48);
   const int64_t k_from = std::max(kp.ready, std::min(ahead, n));
-  LineCursor::Over(krow(kp.ready), krow(k_from), 1).Issue();
-  LineCursor k_rows = LineCursor::Over(krow(k_from), krow(n), n - k_from);
-  LineCursor v_rows = LineCursor::Over(vrow(kp.v_ready), kPermV ? vrow(0) : vrow(n), n);
+  const bool l2 = c.p.prefetch == PrefetchLevel::kL2;
+  LineCursor::Over(krow(kp.ready), krow(k_from), 1, l2).Issue();
+  LineCursor k_rows = LineCursor::Over(krow(k_from), krow(n), n - k_from, l2);
+  LineCursor v_rows = LineCursor::Over(vrow(kp.v_ready), kPermV ? vrow(0) : vrow(n), n, l2);
   const auto prefetch_row = [&] {
     v_rows.Issue();
     k_rows.Issue();
   };
   // V pass: the K rows after the piece, a few lines per cell (or per dimension line of a permuted
   // V) so that the requests spread over the pass.
-  LineCursor next_k = LineCursor::Over(krow(kp.next_from), krow(kp.next_to), kPermV ? c.Dv : n);
+  LineCursor next_k = LineCursor::Over(krow(kp.next_from), krow(kp.next_to), kPermV ? c.Dv : n, l2);
   int64_t j = 0;
 #if HWY_TARGET == HWY_AVX3_DL
   if constexpr (T == DType::kQ8_0) {

@@ -89,6 +89,15 @@ inline void PrefetchLine(const void* p) {
 #endif
 }
 
+// The same into L2 only (prefetcht2; PrefetchLevel::kL2 in kernels/attention.h).
+inline void PrefetchLineL2(const void* p) {
+#if (defined(__GNUC__) || defined(__clang__)) && (defined(__x86_64__) || defined(__i386__))
+  asm volatile("prefetcht2 %0" : : "m"(*static_cast<const char*>(p)));
+#else
+  hwy::Prefetch(p);
+#endif
+}
+
 // One 64-byte-aligned float buffer per thread (three: `which`) that only grows. Growth is geometric
 // with a 256 KiB floor: the visible-span table needs B * (L / 2 + 1) entries, so growing to the
 // exact size reallocated on every other decode step as the history lengthened. With the floor a

@@ -284,6 +284,52 @@ void BM_DecodeQ8VsF16Interleaved(benchmark::State& state) {
   }
 }
 
+// Decode with its prefetches into L1 (prefetcht0) against L2 only (prefetcht2), f16 and q8_0
+// (integer_k and integer_v), calls alternating: l2_vs_l1 > 1 where L2 is faster. auto_l2 says
+// which level this CPU gets by default (kernels::ResolvePrefetchLevel). Args: D, L, threads.
+void BM_DecodePrefetchLevels(benchmark::State& state) {
+  const int D = static_cast<int>(state.range(0));
+  const int L = static_cast<int>(state.range(1));
+  const int threads = static_cast<int>(state.range(2));
+  Setup s[2] = {MakeSetup(kv::DType::kF16, D, 8, 4, L, 1, true),
+                MakeSetup(kv::DType::kQ8_0, D, 8, 4, L, 1, true)};
+  kv::ThreadPool pool(threads);
+  const kv::ParallelFor par = pool.AsParallelFor();
+  const kv::kernels::ParallelForFn pf{par.run, par.user, par.num_threads};
+  kv::kernels::AttentionKernelParams kp[2][2];  // [dtype][level]
+  for (int t = 0; t < 2; ++t) {
+    for (int l = 0; l < 2; ++l) {
+      kp[t][l].scale = 1.0f / std::sqrt(static_cast<float>(D));
+      kp[t][l].mode = kv::kernels::AttentionMode::kDecode;
+      kp[t][l].integer_k = kp[t][l].integer_v = t == 1;
+      kp[t][l].prefetch =
+          l == 0 ? kv::kernels::PrefetchLevel::kL1 : kv::kernels::PrefetchLevel::kL2;
+    }
+  }
+  const auto call = [&](int t, int l) {
+    const auto t0 = Clock::now();
+    kv::kernels::Attention(s[t].qv, s[t].hist.k, s[t].hist.v, s[t].hist.mask, kp[t][l], pf,
+                           &s[t].ov);
+    return Seconds(t0, Clock::now());
+  };
+  for (int t = 0; t < 2; ++t)
+    for (int l = 0; l < 2; ++l) (void)call(t, l);  // warm up
+  double best[2][2] = {{1e30, 1e30}, {1e30, 1e30}};
+  for (auto _ : state) {
+    for (int t = 0; t < 2; ++t)
+      for (int l = 0; l < 2; ++l) best[t][l] = std::min(best[t][l], call(t, l));
+  }
+  const char* names[2] = {"f16", "q8kv"};
+  for (int t = 0; t < 2; ++t) {
+    state.counters[std::string(names[t]) + "_l1_us"] = best[t][0] * 1e6;
+    state.counters[std::string(names[t]) + "_l2_us"] = best[t][1] * 1e6;
+    state.counters[std::string(names[t]) + "_l2_vs_l1"] = best[t][0] / best[t][1];
+  }
+  state.counters["auto_l2"] =
+      kv::kernels::ResolvePrefetchLevel(kv::kernels::PrefetchLevel::kAuto) ==
+      kv::kernels::PrefetchLevel::kL2;
+}
+
 // Args: threads.
 void BM_Prefill(benchmark::State& state) {
   const int threads = static_cast<int>(state.range(0));
@@ -382,6 +428,14 @@ void DecodeArgs(benchmark::internal::Benchmark* b) {
 
 BENCHMARK(BM_Decode)->Apply(DecodeArgs)->Unit(benchmark::kMicrosecond)->MinTime(1.0)->UseRealTime();
 BENCHMARK(BM_DecodeQ8VsF16Interleaved)
+    ->Args({64, 32768, 1})
+    ->Args({128, 32768, 1})
+    ->Args({64, 32768, 2})
+    ->Args({128, 32768, 2})
+    ->Unit(benchmark::kMicrosecond)
+    ->MinTime(2.0)
+    ->UseRealTime();
+BENCHMARK(BM_DecodePrefetchLevels)
     ->Args({64, 32768, 1})
     ->Args({128, 32768, 1})
     ->Args({64, 32768, 2})

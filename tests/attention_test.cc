@@ -442,6 +442,66 @@ TEST_P(AttentionTest, LongHistoryThreads) {
   CheckCase(c, {{AttentionMode::kPrefill, &pool2}, {AttentionMode::kPrefill, nullptr}});
 }
 
+// The prefetch level (kernels/attention.h) moves no result: decode with prefetcht0 and with
+// prefetcht2 gives the same bits (and kAuto is one of them), over every storage type and V layout,
+// masks with many spans, 1 and 2 threads, a history long enough for chunks of cells, and q8_0's
+// integer passes.
+TEST_P(AttentionTest, PrefetchLevelChangesNoBit) {
+  EXPECT_EQ(kernels::ResolvePrefetchLevel(kernels::PrefetchLevel::kL1),
+            kernels::PrefetchLevel::kL1);
+  EXPECT_EQ(kernels::ResolvePrefetchLevel(kernels::PrefetchLevel::kL2),
+            kernels::PrefetchLevel::kL2);
+  EXPECT_NE(kernels::ResolvePrefetchLevel(kernels::PrefetchLevel::kAuto),
+            kernels::PrefetchLevel::kAuto);
+  ThreadPool pool2(2);
+  struct Shape {
+    DType dt;
+    bool perm;
+    int L, B;
+  };
+  std::vector<Shape> shapes;
+  for (auto [dt, perm] : DTypeLayouts()) shapes.push_back({dt, perm, 2100, 3});
+  shapes.push_back({DType::kF16, false, 4 * 4096 + 300, 1});
+  shapes.push_back({DType::kQ8_0, false, 4 * 4096 + 300, 2});
+  std::mt19937 rng(77);
+  for (const Shape& s : shapes) {
+    const int D = 64, G = 4, Hkv = 2, Hq = Hkv * G;
+    SCOPED_TRACE(std::string(DTypeName(s.dt)) + (s.perm ? " permV" : " plainV") +
+                 " L=" + std::to_string(s.L) + " target=" + TargetNow());
+    TestHistory h = MakeHistory(s.dt, D, D, Hkv, s.L, s.perm, rng);
+    std::vector<float> q(static_cast<size_t>(D) * s.B * Hq);
+    std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+    for (float& x : q) x = u(rng);
+    std::vector<uint8_t> mask = BuildTestMask(MaskKind::kMultiSeq, s.L, s.B, DType::kF32, rng);
+    const TensorView qv = MakeView(q.data(), DType::kF32, {D, s.B, Hq});
+    const TensorView mv = MakeView(mask.data(), DType::kF32, {s.L, s.B});
+    for (ThreadPool* pool : {static_cast<ThreadPool*>(nullptr), &pool2}) {
+      for (int integer = 0; integer < (s.dt == DType::kQ8_0 ? 2 : 1); ++integer) {
+        SCOPED_TRACE("threads=" + std::to_string(pool ? 2 : 1) +
+                     " integer=" + std::to_string(integer));
+        std::vector<float> out[3];
+        const kernels::PrefetchLevel levels[3] = {kernels::PrefetchLevel::kL1,
+                                                  kernels::PrefetchLevel::kL2,
+                                                  kernels::PrefetchLevel::kAuto};
+        for (int i = 0; i < 3; ++i) {
+          kernels::AttentionKernelParams kp;
+          kp.scale = 0.125f;
+          kp.v_permuted = s.perm;
+          kp.mode = AttentionMode::kDecode;
+          kp.integer_k = kp.integer_v = integer != 0;
+          kp.prefetch = levels[i];
+          out[i].assign(static_cast<size_t>(D) * s.B * Hq, 12345.0f);
+          TensorView ov = MakeView(out[i].data(), DType::kF32, {D, s.B, Hq});
+          kernels::Attention(qv, h.k, h.v, mv, kp, KernelParallelFor(pool), &ov);
+        }
+        ASSERT_NE(out[0][0], 12345.0f);
+        EXPECT_EQ(0, std::memcmp(out[0].data(), out[1].data(), out[0].size() * sizeof(float)));
+        EXPECT_EQ(0, std::memcmp(out[0].data(), out[2].data(), out[0].size() * sizeof(float)));
+      }
+    }
+  }
+}
+
 // Extreme logits (|logit| in the thousands), softcap on them, and GQA ratios off the power of two.
 TEST_P(AttentionTest, ExtremeLogitsAndOddShapes) {
   for (auto [dt, perm] : DTypeLayouts()) {
