@@ -385,6 +385,7 @@ void FuzzAttention(Reader& r) {
   }
   kp.integer_v = r.OneIn(2);  // AVX3_DL decode over q8_0 / q4_0 plain V: int16 weights
   kp.integer_k = r.OneIn(2);  // AVX3_DL decode over q8_0 K: int16 query rows
+  kp.float_k = r.OneIn(2);    // without integer_k: the f32 K pass instead of the 24-bit one
   std::vector<float> out(static_cast<size_t>(Dv * B * Hq), 12345.0f), ref(out.size(), -1.0f);
   TensorView ov = kv::MakeView(out.data(), DType::kF32, {Dv, B, Hq});
   TensorView rv = kv::MakeView(ref.data(), DType::kF32, {Dv, B, Hq});
@@ -409,20 +410,25 @@ void FuzzAttention(Reader& r) {
     }
   }
   // integer_v adds its rounding bound, 16 * 2^-16 * max|V|, and integer_k e^(2 delta) - 1 with
-  // delta = max|q| * scale / 65534 * max sum|k| (kernels/attention_decode.cc).
+  // delta = max|q| * scale / 65534 * max sum|k| (kernels/attention_decode.cc); q8_0 K without
+  // integer_k or float_k the same with 16711422 (the 24-bit query; every mode, as kAuto may
+  // decode).
+  const bool k24 = t == DType::kQ8_0 && !kp.integer_k && !kp.float_k;
   const double tol =
       2.0 * (2.0 * 4.0 * std::sqrt(static_cast<double>(D)) * std::ldexp(1.0, -24) * smax + 2e-6) +
       (kp.integer_v ? 16.0 / 65536.0 : 0.0) +
-      (kp.integer_k ? std::expm1(2.0 * qmax / 65534.0 * ksum_max) : 0.0);
+      (kp.integer_k ? std::expm1(2.0 * qmax / 65534.0 * ksum_max) : 0.0) +
+      (k24 ? std::expm1(2.0 * qmax / 16711422.0 * ksum_max) : 0.0);
   for (size_t i = 0; i < out.size(); ++i) {
-    FUZZ_CHECK(
-        std::fabs(out[i] - ref[i]) <= tol || (std::isnan(out[i]) && std::isnan(ref[i])),
-        "%s: Attention %s D %lld Dv %lld Hkv %lld G %lld L %lld B %lld perm %d mode %d "
-        "softcap %g sinks %d mask %d threads %d int_v %d int_k %d: out[%zu] = %g, ref %g, tol %g",
-        g_target, kv::DTypeName(t), (long long)D, (long long)Dv, (long long)Hkv, (long long)G,
-        (long long)L, (long long)B, perm, static_cast<int>(kp.mode), kp.softcap,
-        kp.sinks != nullptr, mask_kind, pf.num_threads, kp.integer_v, kp.integer_k, i, out[i],
-        ref[i], tol);
+    FUZZ_CHECK(std::fabs(out[i] - ref[i]) <= tol || (std::isnan(out[i]) && std::isnan(ref[i])),
+               "%s: Attention %s D %lld Dv %lld Hkv %lld G %lld L %lld B %lld perm %d mode %d "
+               "softcap %g sinks %d mask %d threads %d int_v %d int_k %d float_k %d: out[%zu] = "
+               "%g, ref %g, "
+               "tol %g",
+               g_target, kv::DTypeName(t), (long long)D, (long long)Dv, (long long)Hkv,
+               (long long)G, (long long)L, (long long)B, perm, static_cast<int>(kp.mode),
+               kp.softcap, kp.sinks != nullptr, mask_kind, pf.num_threads, kp.integer_v,
+               kp.integer_k, kp.float_k, i, out[i], ref[i], tol);
   }
 }
 

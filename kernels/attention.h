@@ -101,6 +101,11 @@ struct AttentionKernelParams {
   // (a logit moves by at most max|q| * scale * sum|k| / 65278, ~2^-16; derivation in
   // attention_decode.cc) where the CPU has AVX512_VNNI; elsewhere the f32 pass runs.
   bool integer_k = false;
+  // Decode over q8_0 K without integer_k: the f32 K pass even where the CPU has AVX512_VNNI. By
+  // default such CPUs run an integer K pass with the query rounded to 24 bits (a logit moves by at
+  // most max|q| * scale * sum|k| / 16711422, ~2^-24, the f32 pass's own rounding scale;
+  // attention_decode.cc); tests and benchmarks set this to compare the two.
+  bool float_k = false;
   // kAuto unless a benchmark compares the two (perf/bench_attention.cc).
   PrefetchLevel prefetch = PrefetchLevel::kAuto;
 };

@@ -230,6 +230,7 @@ struct Run {
   ThreadPool* pool;
   bool integer_v = false;
   bool integer_k = false;
+  bool float_k = false;
 };
 
 // Integer V pass (AttentionKernelParams::integer_v, AVX3_DL only; other targets run the f32 pass):
@@ -243,7 +244,9 @@ constexpr double kIntegerVTol = 16.0 / 65536.0;
 // magnitude, see kQueryIntMax), so a logit moves by at most
 // delta = max|q| * scale / 65278 * max_j sum_i |k_ji|, and every softmax weight by a
 // factor within e^(+-2 delta): the output by at most (e^(2 delta) - 1) * max|V|. CheckCase adds
-// that (computed from the case's stored K) for those runs.
+// that (computed from the case's stored K) for those runs. Without integer_k, q8_0 decode on
+// AVX3_DL rounds the query to 24 bits instead (same form, 16711422 for 65278); CheckCase adds that
+// bound to every q8_0 decode run without integer_k, and repeats each with float_k (the f32 pass).
 
 // One case, one reference, several kernel runs (modes x thread counts).
 void CheckCase(const Case& c, std::initializer_list<Run> given) {
@@ -257,6 +260,7 @@ void CheckCase(const Case& c, std::initializer_list<Run> given) {
     if (decode && c.dt == DType::kQ8_0) {
       runs.push_back({r.mode, r.pool, false, true});
       runs.push_back({r.mode, r.pool, true, true});
+      runs.push_back({r.mode, r.pool, false, false, true});
     }
   }
   SCOPED_TRACE(Describe(c) + " target=" + TargetNow());
@@ -310,18 +314,23 @@ void CheckCase(const Case& c, std::initializer_list<Run> given) {
     }
   }
   const double int_k_tol = std::expm1(2.0 * qmax / 65278.0 * ksum_max);
+  const double int_k24_tol = std::expm1(2.0 * qmax / 16711422.0 * ksum_max);
   const double tol = 1.0 * (2.0 * dlogit + 2e-6);  // max|V| <= 1
   for (const Run& run : runs) {
     SCOPED_TRACE("mode=" + std::to_string(static_cast<int>(run.mode)) +
                  " threads=" + std::to_string(run.pool ? run.pool->NumThreads() : 1) +
-                 " integer_v=" + std::to_string(run.integer_v) +
-                 " integer_k=" + std::to_string(run.integer_k));
-    const double run_tol =
-        tol + (run.integer_v ? kIntegerVTol : 0.0) + (run.integer_k ? int_k_tol : 0.0);
+                 " integer_v=" + std::to_string(run.integer_v) + " integer_k=" +
+                 std::to_string(run.integer_k) + " float_k=" + std::to_string(run.float_k));
+    const bool decode =
+        run.mode == AttentionMode::kDecode || (run.mode == AttentionMode::kAuto && c.B < 8);
+    const bool k24 = decode && c.dt == DType::kQ8_0 && !run.integer_k && !run.float_k;
+    const double run_tol = tol + (run.integer_v ? kIntegerVTol : 0.0) +
+                           (run.integer_k ? int_k_tol : 0.0) + (k24 ? int_k24_tol : 0.0);
     const kernels::ParallelForFn pf = KernelParallelFor(run.pool);
     kp.mode = run.mode;
     kp.integer_v = run.integer_v;
     kp.integer_k = run.integer_k;
+    kp.float_k = run.float_k;
     std::fill(out.begin(), out.end(), 12345.0f);
     kernels::Attention(qv, h.k, h.v, mv, kp, pf, &ov);
     double maxerr = 0;
@@ -602,8 +611,9 @@ TEST_P(AttentionTest, IntegerVTinyValues) {
   }
 }
 
-// The integer K pass against the f32 pass on the same q8_0 history: within its bound (see
-// CheckCase), different where it runs (AVX3_DL) and identical elsewhere; and with a K block scale
+// The integer K passes (integer_k's 16-bit query and the default 24-bit one) against the f32 pass
+// (float_k) on the same q8_0 history: within their bounds (see CheckCase), different where they
+// run (AVX3_DL) and identical elsewhere; and with a K block scale
 // of inf or NaN (outside the kernel's contract: the logits must be finite) the outputs are
 // non-finite exactly where the f32 pass's are (the 16 or 4 cells around it take the f32 pass:
 // cell 123 is read 16 rows at a time, cell 290 in the block's 4-row tail). With 4 and 8 query
@@ -639,41 +649,51 @@ TEST_P(AttentionTest, IntegerKAgainstTheF32Pass) {
       kp.mode = AttentionMode::kDecode;
       double qmax = 0;
       for (float x : sd.q) qmax = std::max(qmax, std::fabs(static_cast<double>(x)) * kp.scale);
-      const double bound = std::expm1(2.0 * qmax / 65278.0 * ksum_max) + 1e-5;  // max|V| <= 1
-      std::vector<float> out_f, out_i;
-      TensorView of = sd.Out(&out_f), oi = sd.Out(&out_i);
+      std::vector<float> out_f;
+      TensorView of = sd.Out(&out_f);
+      kp.float_k = true;
       kernels::Attention(sd.qv, h.k, h.v, TensorView{}, kp, {}, &of);
-      kp.integer_k = true;
-      kernels::Attention(sd.qv, h.k, h.v, TensorView{}, kp, {}, &oi);
-      double maxerr = 0;
-      int non_finite = 0;
-      for (size_t i = 0; i < out_f.size(); ++i) {
-        ASSERT_EQ(std::isnan(out_i[i]), std::isnan(out_f[i])) << i << " out=" << out_i[i];
-        ASSERT_EQ(std::isinf(out_i[i]), std::isinf(out_f[i])) << i << " out=" << out_i[i];
-        if (!std::isfinite(out_f[i])) {
-          ++non_finite;
-          continue;
+      kp.float_k = false;
+      for (const bool bits16 : {true, false}) {  // integer_k, then the default 24-bit pass
+        SCOPED_TRACE(bits16 ? "integer_k" : "24-bit default");
+        // max|V| <= 1; the 24-bit pass also rounds its per-block sums as f32 does.
+        const double bound =
+            std::expm1(2.0 * qmax / (bits16 ? 65278.0 : 16711422.0) * ksum_max) + 1e-5;
+        std::vector<float> out_i;
+        TensorView oi = sd.Out(&out_i);
+        kp.integer_k = bits16;
+        kernels::Attention(sd.qv, h.k, h.v, TensorView{}, kp, {}, &oi);
+        double maxerr = 0;
+        int non_finite = 0;
+        for (size_t i = 0; i < out_f.size(); ++i) {
+          ASSERT_EQ(std::isnan(out_i[i]), std::isnan(out_f[i])) << i << " out=" << out_i[i];
+          ASSERT_EQ(std::isinf(out_i[i]), std::isinf(out_f[i])) << i << " out=" << out_i[i];
+          if (!std::isfinite(out_f[i])) {
+            ++non_finite;
+            continue;
+          }
+          maxerr = std::max(maxerr, std::fabs(static_cast<double>(out_f[i]) - out_i[i]));
         }
-        maxerr = std::max(maxerr, std::fabs(static_cast<double>(out_f[i]) - out_i[i]));
-      }
-      if (stored[0] == 'f') {
-        EXPECT_EQ(non_finite, 0);
-      } else {  // every head of KV head 1, both rows, dims 32..63 at least
-        EXPECT_GE(non_finite, SmallDecode::B * G * 32);
-      }
-      EXPECT_LE(maxerr, bound);
-      if (best == HWY_AVX3_DL) {
-        EXPECT_GT(maxerr, 0.0);
-      } else {
-        EXPECT_EQ(maxerr, 0.0);
+        if (stored[0] == 'f') {
+          EXPECT_EQ(non_finite, 0);
+        } else {  // every head of KV head 1, both rows, dims 32..63 at least
+          EXPECT_GE(non_finite, SmallDecode::B * G * 32);
+        }
+        EXPECT_LE(maxerr, bound);
+        if (best == HWY_AVX3_DL) {
+          EXPECT_GT(maxerr, 0.0);
+        } else {
+          EXPECT_EQ(maxerr, 0.0);
+        }
       }
     }
   }
 }
 
-// A NaN or inf in a query row: the integer K pass must hand that row to the f32 pass (its step is
-// NaN), so that head's outputs are the f32 pass's (a NaN row, NonFiniteLogitPoisonsItsRow). A NaN
-// element once slipped through the row's max|q| (std::max ignores it) and gave finite outputs.
+// A NaN or inf in a query row: the integer K passes (16- and 24-bit) must hand that row to the f32
+// pass (its step is NaN), so that head's outputs are the f32 pass's (a NaN row,
+// NonFiniteLogitPoisonsItsRow). A NaN element once slipped through the row's max|q| (std::max
+// ignores it) and gave finite outputs.
 TEST_P(AttentionTest, IntegerKNonFiniteQuery) {
   SCOPED_TRACE("target=" + TargetNow());
   constexpr int D = SmallDecode::D, Hkv = SmallDecode::Hkv, L = SmallDecode::L;
@@ -689,20 +709,27 @@ TEST_P(AttentionTest, IntegerKNonFiniteQuery) {
       kernels::AttentionKernelParams kp;
       kp.scale = 0.125f;
       kp.mode = AttentionMode::kDecode;
-      std::vector<float> out_f, out_i;
-      TensorView of = sd.Out(&out_f), oi = sd.Out(&out_i);
+      std::vector<float> out_f;
+      TensorView of = sd.Out(&out_f);
+      kp.float_k = true;
       kernels::Attention(sd.qv, h.k, h.v, TensorView{}, kp, {}, &of);
-      kp.integer_k = true;
-      kernels::Attention(sd.qv, h.k, h.v, TensorView{}, kp, {}, &oi);
-      const size_t bad0 = static_cast<size_t>(D) * (kBadRow * sd.Hq + kBadHead);
-      for (size_t i = bad0; i < bad0 + D; ++i) {
-        ASSERT_TRUE(std::memcmp(&out_i[i], &out_f[i], 4) == 0 ||
-                    (std::isnan(out_i[i]) && std::isnan(out_f[i])))
-            << i - bad0 << ": " << out_i[i] << " vs the f32 pass's " << out_f[i];
-      }
-      for (size_t i = 0; i < out_f.size(); ++i) {
-        if (i >= bad0 && i < bad0 + D) continue;
-        ASSERT_TRUE(std::isfinite(out_i[i])) << i;
+      kp.float_k = false;
+      for (const bool bits16 : {true, false}) {  // integer_k, then the default 24-bit pass
+        SCOPED_TRACE(bits16 ? "integer_k" : "24-bit default");
+        std::vector<float> out_i;
+        TensorView oi = sd.Out(&out_i);
+        kp.integer_k = bits16;
+        kernels::Attention(sd.qv, h.k, h.v, TensorView{}, kp, {}, &oi);
+        const size_t bad0 = static_cast<size_t>(D) * (kBadRow * sd.Hq + kBadHead);
+        for (size_t i = bad0; i < bad0 + D; ++i) {
+          ASSERT_TRUE(std::memcmp(&out_i[i], &out_f[i], 4) == 0 ||
+                      (std::isnan(out_i[i]) && std::isnan(out_f[i])))
+              << i - bad0 << ": " << out_i[i] << " vs the f32 pass's " << out_f[i];
+        }
+        for (size_t i = 0; i < out_f.size(); ++i) {
+          if (i >= bad0 && i < bad0 + D) continue;
+          ASSERT_TRUE(std::isfinite(out_i[i])) << i;
+        }
       }
     }
   }
