@@ -27,11 +27,10 @@ struct AttentionParams {
   // that: the tests' tiny transformer's logits moved by 3e-3 to 1e-2 (q8_0). Elsewhere, and when
   // false, f32 arithmetic throughout.
   bool integer_v = false;
-  // q8_0 decode: allows the K pass in integer products, each query row rounded to 16 bits (with
-  // AVX512_VNNI's vpdpbusd / vpdpwssd), which moves a logit by at most max|q| * scale * sum|k| /
-  // 65278, ~2^-16 (kernels/attention_decode.cc): 2-14% faster q8_0 decode with integer_v too
-  // (1.12-1.47x f16 at 32768 cells, session 9; 8-27% more at head_dim 64 since session 13).
-  // Elsewhere, and when false, f32 arithmetic.
+  // q8_0 decode: allows the K pass with each query row rounded to 16 bits instead of 24 (integer
+  // products with AVX512_VNNI's vpdpbusd / vpdpwssd either way; without it, f32 arithmetic). A
+  // logit then moves by at most max|q| * scale * sum|k| / 65278, ~2^-16, instead of ~2^-24
+  // (kernels/attention_decode.cc): 5-13% faster q8_0 decode at 32768 cells (session 14, Zen 4).
   bool integer_k = false;
 };
 

@@ -197,7 +197,7 @@ typedef struct kvc_attention_params {
   float softcap;      /* 0: none; else logits = softcap * tanh(logits / softcap) */
   const float* sinks; /* optional per-query-head sink logit, added to the softmax denominator */
   int integer_v;      /* q8_0 / q4_0 decode: int16 V pass where AVX512_VNNI (core/attend.h) */
-  int integer_k;      /* q8_0 decode: integer K pass where AVX512_VNNI (core/attend.h) */
+  int integer_k;      /* q8_0 decode: 16-bit query in the integer K pass (core/attend.h) */
 } kvc_attention_params;
 kvc_attention_params kvc_attention_params_default(void);
 

@@ -41,7 +41,9 @@
 // of the history is ever made.
 //
 // Error bound: logits are f32 dot products of the (exactly dequantized) K elements with Q
-// pre-scaled by `scale` (relative error ~ D * 2^-24 * sum|q k| / |q.k|), exp is within 1 ULP
+// pre-scaled by `scale` (relative error ~ D * 2^-24 * sum|q k| / |q.k|; q8_0 decode on AVX3_DL:
+// integer products with the query rounded to 24 bits, at most max|q| * scale * sum|k| / 16711422
+// more, the same scale), exp is within 1 ULP
 // (SoftmaxExp, kernels/attention_load-inl.h; weights below e^-87 are clamped there), the running
 // max rescaling adds ~2^-23 relative per rescale, and V accumulates in f32. Against a double
 // reference over the same stored (rounded) K/V the output error is a few times 1e-6 * max|V| for
@@ -57,7 +59,10 @@
 // (integer_v: ~1.05x). On the Intel Xeon of sessions 1-3 (half the bandwidth per core) f16 ran at
 // ~1.0 of the read bandwidth and q8_0 1.27-1.45x faster than f16. Prefill runs at ~0.4-0.72 of the
 // measured FMA peak (0.67-0.72 at head_dim 128 since session 11's register transpose of K). The
-// dispatched AVX-512 decode is ~1.1-1.3x the same code pinned to AVX2.
+// dispatched AVX-512 decode is ~1.1-1.3x the same code pinned to AVX2. On the Zen 4 EPYC of
+// session 14 (512-bit FMAs at 1 per cycle: decode is bound by arithmetic on 1 thread) f16 reaches
+// 0.49-0.53 of the 1-thread read bandwidth, and q8_0 (24-bit integer K by default) is 1.02-1.45x
+// faster per call than f16, 1.15-1.61x with integer_k.
 //
 // Masked cells are never read in decode; prefill reads whole tiles, so K/V of hidden cells must be
 // finite there (the caches zero-fill their storage).

@@ -860,6 +860,9 @@ HWY_INLINE bool IntDotHeads16(const char* krow0, size_t kstride, const int8_t* q
     const __m512 scale = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_i32gather_epi32(
         row_offsets, krow0 + static_cast<size_t>(blk) * BlockBytes(DType::kQ8_0), 1)));
     const int64_t per_block = (16 + D / 32 - 1) / (D / 32);
+    // Unrolled, or GCC keeps acc[] on the stack and each head's update becomes a load, an FMA and
+    // a store (perf: ~9% of a q8_0 call in cache).
+#pragma GCC unroll 8
     for (int g = 0; g < kH; ++g) {
       for (int64_t r = g * per_block / kH; r < (g + 1) * per_block / kH; ++r) prefetch_row();
       if constexpr (kWide) {
