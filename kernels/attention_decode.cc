@@ -135,7 +135,7 @@ struct LineCursor {
   HWY_INLINE void Issue() {
     for (size_t i = 0; i < lines_per_step && next < end; ++i, next += 64) {
       if (to_l2) {
-        attn::PrefetchLineL2(next);
+        attn::PrefetchLine</*kToL2=*/true>(next);
       } else {
         attn::PrefetchLine(next);
       }

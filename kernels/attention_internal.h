@@ -76,23 +76,20 @@ inline KPrefetch PlanKPrefetch(int64_t s0, int64_t n, int64_t hi, RequestedRows&
   return kp;
 }
 
-// Asks for the cache line holding p (prefetcht0 on x86). An asm statement rather than
-// hwy::Prefetch (__builtin_prefetch): GCC 12 at -O3 dropped the builtin from decode's K pass once
-// its K-row request became conditional (session 12: no prefetch instruction left in the AVX-512
-// f16 code, not even the V rows' unconditional one, and the V pass stalled on every row); an asm
-// volatile statement stays where it is written.
+// Asks for the cache line holding p: prefetcht0 on x86, or with kToL2 prefetcht2 (into L2 only;
+// PrefetchLevel in kernels/attention.h). An asm statement rather than hwy::Prefetch
+// (__builtin_prefetch): GCC 12 at -O3 dropped the builtin from decode's K pass once its K-row
+// request became conditional (session 12: no prefetch instruction left in the AVX-512 f16 code,
+// not even the V rows' unconditional one, and the V pass stalled on every row); an asm volatile
+// statement stays where it is written.
+template <bool kToL2 = false>
 inline void PrefetchLine(const void* p) {
 #if (defined(__GNUC__) || defined(__clang__)) && (defined(__x86_64__) || defined(__i386__))
-  asm volatile("prefetcht0 %0" : : "m"(*static_cast<const char*>(p)));
-#else
-  hwy::Prefetch(p);
-#endif
-}
-
-// The same into L2 only (prefetcht2; PrefetchLevel::kL2 in kernels/attention.h).
-inline void PrefetchLineL2(const void* p) {
-#if (defined(__GNUC__) || defined(__clang__)) && (defined(__x86_64__) || defined(__i386__))
-  asm volatile("prefetcht2 %0" : : "m"(*static_cast<const char*>(p)));
+  if constexpr (kToL2) {
+    asm volatile("prefetcht2 %0" : : "m"(*static_cast<const char*>(p)));
+  } else {
+    asm volatile("prefetcht0 %0" : : "m"(*static_cast<const char*>(p)));
+  }
 #else
   hwy::Prefetch(p);
 #endif

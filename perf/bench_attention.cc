@@ -427,19 +427,19 @@ void DecodeArgs(benchmark::internal::Benchmark* b) {
 }
 
 BENCHMARK(BM_Decode)->Apply(DecodeArgs)->Unit(benchmark::kMicrosecond)->MinTime(1.0)->UseRealTime();
+// Head_dim 64 and 128 at 32768 cells, 1 and 2 threads: {D, L, threads}.
+void LongHistoryArgs(benchmark::internal::Benchmark* b) {
+  for (int threads : {1, 2})
+    for (int D : {64, 128}) b->Args({D, 32768, threads});
+}
+
 BENCHMARK(BM_DecodeQ8VsF16Interleaved)
-    ->Args({64, 32768, 1})
-    ->Args({128, 32768, 1})
-    ->Args({64, 32768, 2})
-    ->Args({128, 32768, 2})
+    ->Apply(LongHistoryArgs)
     ->Unit(benchmark::kMicrosecond)
     ->MinTime(2.0)
     ->UseRealTime();
 BENCHMARK(BM_DecodePrefetchLevels)
-    ->Args({64, 32768, 1})
-    ->Args({128, 32768, 1})
-    ->Args({64, 32768, 2})
-    ->Args({128, 32768, 2})
+    ->Apply(LongHistoryArgs)
     ->Unit(benchmark::kMicrosecond)
     ->MinTime(2.0)
     ->UseRealTime();
