@@ -102,7 +102,7 @@ struct AttentionKernelParams {
   // attention_decode.cc) where the CPU has AVX512_VNNI (Highway's AVX3_DL target); elsewhere the
   // f32 pass runs.
   bool integer_v = false;
-  // Decode over q8_0 K: the K pass in integer products, the query rounded to 16 bits per row
+  // Decode over q8_0 K: the integer K pass with the query rounded to 16 bits per row instead of 24
   // (a logit moves by at most max|q| * scale * sum|k| / 65278, ~2^-16; derivation in
   // attention_decode.cc) where the CPU has AVX512_VNNI; elsewhere the f32 pass runs.
   bool integer_k = false;
