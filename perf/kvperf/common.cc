@@ -45,15 +45,27 @@ void GenRow(Kind kind, int layer, int head, uint64_t token, int head_dim, int32_
 double MeasureReadBandwidth(kv::ThreadPool* pool) { return kvbench::MeasureReadBandwidth(pool); }
 
 std::string CpuName() {
+  // The model name alone does not tell the machines apart: the Zen 4 and Zen 5 VMs both say
+  // "AMD EPYC", and their decode figures differ (README, Known gaps). Family and model do.
   std::ifstream f("/proc/cpuinfo");
-  std::string line;
-  while (std::getline(f, line)) {
+  std::string line, name, family, model;
+  const auto value = [&line] {
+    const size_t c = line.find(':');
+    return c == std::string::npos || c + 2 > line.size() ? std::string() : line.substr(c + 2);
+  };
+  while (std::getline(f, line) && (name.empty() || family.empty() || model.empty())) {
     if (line.rfind("model name", 0) == 0) {
-      const size_t c = line.find(':');
-      if (c != std::string::npos) return line.substr(c + 2);
+      name = value();
+    } else if (line.rfind("cpu family", 0) == 0) {
+      family = value();
+    } else if (line.rfind("model", 0) == 0 && line.find(':') != std::string::npos &&
+               line.substr(0, line.find(':')).find_first_not_of("model \t") == std::string::npos) {
+      model = value();
     }
   }
-  return "unknown CPU";
+  if (name.empty()) name = "unknown CPU";
+  if (!family.empty() && !model.empty()) name += " (family " + family + ", model " + model + ")";
+  return name;
 }
 
 // ---- progress ----------------------------------------------------------------------------------
