@@ -621,10 +621,11 @@ constexpr float kQueryIntMax = 32639.0f;
 // q16-23] and the high [q8-15, q24-31, ...], the order in which unpacklo / unpackhi widen a 128-bit
 // lane's codes) to `out`, and split into bytes in IntDotHeads16's order (kQBytesPerBlock per
 // block) to `bytes`. Returns the step, NaN for a non-finite row.
-HWY_INLINE float QuantizeQueryRow(const float* q, int64_t D, int16_t* out, int8_t* bytes) {
+// max|q[0..D)| of a query row (D a multiple of 32), NaN when an element is not finite: max|q|
+// cannot flag the row by itself (x86's max drops a NaN operand, and -inf must be caught too: it is
+// not a bad logit for the softmax, but it is not a representable query here).
+HWY_INLINE float QueryRowAbsMax(const float* q, int64_t D) {
   const DF df;
-  // max|q| cannot flag the row by itself: x86's max drops a NaN operand, and -inf must be caught
-  // too (it is not a bad logit for the softmax, but it is not a representable query here).
   VF vmax = hn::Zero(df);
   bool finite = true;
   for (int64_t i = 0; i < D; i += kN) {
@@ -632,8 +633,13 @@ HWY_INLINE float QuantizeQueryRow(const float* q, int64_t D, int16_t* out, int8_
     vmax = hn::Max(vmax, hn::Abs(x));
     finite &= hn::AllTrue(df, hn::IsFinite(x));
   }
-  if (!finite) return std::numeric_limits<float>::quiet_NaN();
-  const float m = hn::GetLane(hn::MaxOfLanes(df, vmax));
+  return finite ? hn::GetLane(hn::MaxOfLanes(df, vmax)) : std::numeric_limits<float>::quiet_NaN();
+}
+
+HWY_INLINE float QuantizeQueryRow(const float* q, int64_t D, int16_t* out, int8_t* bytes) {
+  const DF df;
+  const float m = QueryRowAbsMax(q, D);
+  if (std::isnan(m)) return m;
   const VF inv = hn::Set(df, m > 0.0f ? kQueryIntMax / m : 0.0f);
   const hn::Rebind<int16_t, DF> d16;
   HWY_ALIGN int16_t r[32];  // one block's elements, rounded to nearest (even on ties, as lrint)
@@ -676,11 +682,8 @@ constexpr float kQueryIntMax24 = 8355711.0f;
 // bytes in IntDotHeads16<kH, true>'s order (kQBytesPerBlock24 per block). Returns the step, NaN
 // for a non-finite row.
 HWY_INLINE float QuantizeQueryRow24(const float* q, int64_t D, int8_t* bytes) {
-  float m = 0.0f;
-  for (int64_t i = 0; i < D; ++i) {
-    if (!std::isfinite(q[i])) return std::numeric_limits<float>::quiet_NaN();
-    m = std::max(m, std::fabs(q[i]));
-  }
+  const float m = QueryRowAbsMax(q, D);
+  if (std::isnan(m)) return m;
   // In double: an f32 product near 2^23 would round by up to half a unit on its own (and could
   // reach 8355712, whose top byte does not fit), doubling the error bound. Once per row and call.
   const double step = static_cast<double>(m) / kQueryIntMax24;

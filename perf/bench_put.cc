@@ -19,8 +19,8 @@
 #include <vector>
 
 #include "hwy/aligned_allocator.h"
-#include "hwy/targets.h"
 #include "kernels/convert.h"
+#include "machine.h"
 
 namespace {
 
@@ -112,12 +112,6 @@ void BM_MemcpyBandwidth(benchmark::State& state) {
 }
 
 // Collects `written` per benchmark name and prints the ratios after the console output.
-// The target HWY_DYNAMIC_DISPATCH picks: the best (lowest bit) supported and compiled target.
-const char* BestTarget() {
-  const int64_t t = hwy::SupportedTargets() & HWY_TARGETS;
-  return hwy::TargetName(t & -t);
-}
-
 class RatioReporter : public benchmark::ConsoleReporter {
  public:
   void ReportRuns(const std::vector<Run>& runs) override {
@@ -132,7 +126,7 @@ class RatioReporter : public benchmark::ConsoleReporter {
   // Ratios of CPU time per call: memcpy time / scatter time (for the same bytes this is the ratio
   // of bytes written per second; >= 1 means the scatter is as fast as the memcpy).
   void PrintRatios() const {
-    std::printf("\nratios, target %s (CPU ns per call)\n", BestTarget());
+    std::printf("\nratios, target %s (CPU ns per call)\n", kvbench::DispatchedTargetName());
     const double bw_ns = Get("MemcpyBandwidth/");
     const double bw = bw_ns > 0 ? static_cast<double>(kBandwidthBytes) / bw_ns : 0;  // bytes / ns
     std::printf("memcpy bandwidth (256 MiB -> 256 MiB): %.2f GB/s\n", bw);

@@ -49,19 +49,14 @@ std::string CpuName() {
   // "AMD EPYC", and their decode figures differ (README, Known gaps). Family and model do.
   std::ifstream f("/proc/cpuinfo");
   std::string line, name, family, model;
-  const auto value = [&line] {
-    const size_t c = line.find(':');
-    return c == std::string::npos || c + 2 > line.size() ? std::string() : line.substr(c + 2);
-  };
   while (std::getline(f, line) && (name.empty() || family.empty() || model.empty())) {
-    if (line.rfind("model name", 0) == 0) {
-      name = value();
-    } else if (line.rfind("cpu family", 0) == 0) {
-      family = value();
-    } else if (line.rfind("model", 0) == 0 && line.find(':') != std::string::npos &&
-               line.substr(0, line.find(':')).find_first_not_of("model \t") == std::string::npos) {
-      model = value();
-    }
+    const size_t colon = line.find(':');
+    if (colon == std::string::npos || colon == 0) continue;
+    const std::string key = line.substr(0, line.find_last_not_of(" \t", colon - 1) + 1);
+    const std::string value = colon + 2 <= line.size() ? line.substr(colon + 2) : "";
+    if (key == "model name") name = value;
+    if (key == "cpu family") family = value;
+    if (key == "model") model = value;
   }
   if (name.empty()) name = "unknown CPU";
   if (!family.empty() && !model.empty()) name += " (family " + family + ", model " + model + ")";

@@ -21,9 +21,9 @@
 #include <thread>
 #include <vector>
 
-#include "hwy/targets.h"
 #include "kernels/attention.h"
 #include "kvperf/kvperf.h"
+#include "machine.h"
 
 namespace kvperf {
 namespace {
@@ -517,14 +517,13 @@ int main(int argc, char** argv) {
   ctx.read_bw = MeasureReadBandwidth(&pool);
 
   json report;
-  const int64_t best_target = hwy::SupportedTargets() & -hwy::SupportedTargets();
   const char* prefetch_level =
       kv::kernels::ResolvePrefetchLevel(kv::kernels::PrefetchLevel::kAuto) ==
               kv::kernels::PrefetchLevel::kL2
           ? "L2"
           : "L1";
   report["machine"] = {{"cpu", cpu},
-                       {"highway_target", hwy::TargetName(best_target)},
+                       {"highway_target", kvbench::DispatchedTargetName()},
                        {"decode_prefetch", prefetch_level},
                        {"threads", threads},
                        {"hardware_threads", std::thread::hardware_concurrency()},
@@ -589,7 +588,7 @@ int main(int argc, char** argv) {
       "%d threads, measured before each run; each run's ratios use its own figure)\n",
       cpu.c_str(), threads, bw_min * 1e-9, bw_max * 1e-9, threads);
   std::printf("kernels: Highway target %s; decode prefetches into %s (kernels/attention.h)\n",
-              hwy::TargetName(best_target), prefetch_level);
+              kvbench::DispatchedTargetName(), prefetch_level);
   // Idle pool workers spin briefly before sleeping, so this overstates useful work a little; far
   // below `threads` it says the machine was shared and every absolute figure is pessimistic.
   std::printf(
