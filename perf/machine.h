@@ -8,9 +8,11 @@
 
 namespace kvbench {
 
-// The target HWY_DYNAMIC_DISPATCH picks: the best (lowest bit) supported and compiled target.
-inline const char* DispatchedTargetName() {
-  const int64_t t = hwy::SupportedTargets() & HWY_TARGETS;
+// The target HWY_DYNAMIC_DISPATCH picks in a translation unit compiled for the targets `compiled`:
+// the best (lowest bit) one this CPU supports. Pass HWY_TARGETS for a unit built like the caller;
+// the attention units also compile AVX3_DL (HWY_WANT_AVX3_DL in kernels/attention*.cc).
+inline const char* DispatchedTargetName(int64_t compiled) {
+  const int64_t t = hwy::SupportedTargets() & compiled;
   return hwy::TargetName(t & -t);
 }
 

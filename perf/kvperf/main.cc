@@ -517,13 +517,14 @@ int main(int argc, char** argv) {
   ctx.read_bw = MeasureReadBandwidth(&pool);
 
   json report;
+  const char* attention_target = kvbench::DispatchedTargetName(HWY_TARGETS | HWY_AVX3_DL);
   const char* prefetch_level =
       kv::kernels::ResolvePrefetchLevel(kv::kernels::PrefetchLevel::kAuto) ==
               kv::kernels::PrefetchLevel::kL2
           ? "L2"
           : "L1";
   report["machine"] = {{"cpu", cpu},
-                       {"highway_target", kvbench::DispatchedTargetName()},
+                       {"attention_highway_target", attention_target},
                        {"decode_prefetch", prefetch_level},
                        {"threads", threads},
                        {"hardware_threads", std::thread::hardware_concurrency()},
@@ -587,8 +588,9 @@ int main(int argc, char** argv) {
       "machine: %s, %d threads; read bandwidth %.2f to %.2f GB/s (best of 5 sums over 256 MiB with "
       "%d threads, measured before each run; each run's ratios use its own figure)\n",
       cpu.c_str(), threads, bw_min * 1e-9, bw_max * 1e-9, threads);
-  std::printf("kernels: Highway target %s; decode prefetches into %s (kernels/attention.h)\n",
-              kvbench::DispatchedTargetName(), prefetch_level);
+  std::printf(
+      "kernels: attention on Highway target %s; decode prefetches into %s (kernels/attention.h)\n",
+      attention_target, prefetch_level);
   // Idle pool workers spin briefly before sleeping, so this overstates useful work a little; far
   // below `threads` it says the machine was shared and every absolute figure is pessimistic.
   std::printf(
