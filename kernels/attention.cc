@@ -307,7 +307,7 @@ void PrefillTask(const Ctx& c, int64_t task) {
         for (int64_t j = 0; j < kTC; ++j) s[j] = 0.0f;
         continue;
       }
-      // A NaN or +inf logit poisons the row (as in decode's SoftmaxStep): m, acc, l become NaN.
+      // A NaN or +inf logit poisons the row (as in decode's SoftmaxHeads): m, acc, l become NaN.
       const float m_old = row[c.Dvp];
       const float m_new =
           scan.poisoned ? std::numeric_limits<float>::quiet_NaN() : std::max(m_old, scan.max);
