@@ -24,6 +24,19 @@
 // f16's 16 * D / 64 cycles of FMAs plus its conversions. Measured, those dots are ~1/4 of a q8_0
 // call; the rest (transposes, the V weights' rounding, scale gathers, softmax, stalls on the
 // prefetch instructions and first touches) costs more than f16's work beside its FMAs.
+// Session 15, Zen 4 (one 512-bit FMA per cycle; each 512-bit operation takes two of its four FP
+// pipe slots), 1 thread, in cache, leaving passes out (timing only): f16 head_dim 64 ~13.2 ns per
+// cell and KV head = K pass ~7, V pass ~4.5, the rest (softmax, setup, merge) ~1.7. The V pass
+// runs at its 16 FMAs. The K pass issues the same 16 FMAs on FP0/FP1 and, on the other pipes,
+// 4 conversions (~1.35 cycles each alone), ~7.5 shuffles and ~3.75 adds of the transposing
+// reduction (~15 cycles together, microbenchmarks of each mix): alone it runs at ~24 cycles per
+// cell against 16.6 with the accumulators kept across cells (no reduction). Not kept: two cells
+// per vector (8 dims each, half the reduction; the 128-bit inserts cost more: 7-12% slower),
+// 256-bit accumulators (no faster), the previous group's reduction inside the next group's FMAs
+// (spills), the next piece's K pass interleaved with this piece's V pass (no overlap measured).
+// q8_0 default at head_dim 64 ~13.9 ns: K (24-bit integer dots) ~5.5, V ~5.9, of which
+// GatherScales ~1.2 (2.8 at head_dim 128; neither the L1 prefetch level nor separating the copies
+// from the converting loads changed it) and the weights p * d ~0.35.
 //
 // AVX3_DL (AVX-512 with VNNI) is compiled too: the integer V and K passes use its vpdpwssd and
 // vpdpbusd.
