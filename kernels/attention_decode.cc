@@ -35,8 +35,9 @@
 // 256-bit accumulators (no faster), the previous group's reduction inside the next group's FMAs
 // (spills), the next piece's K pass interleaved with this piece's V pass (no overlap measured).
 // q8_0 default at head_dim 64 ~13.9 ns: K (24-bit integer dots) ~5.5, V ~5.9, of which
-// GatherScales ~1.2 (2.8 at head_dim 128; neither the L1 prefetch level nor separating the copies
-// from the converting loads changed it) and the weights p * d ~0.35.
+// GatherScales took ~1.2 (2.8 at head_dim 128; neither the L1 prefetch level nor separating the
+// copies from the converting loads changed it) and the weights p * d ~0.35: AccumQuantGroup now
+// scales the codes instead (GatherScales serves integer_v only).
 //
 // AVX3_DL (AVX-512 with VNNI) is compiled too: the integer V and K passes use its vpdpwssd and
 // vpdpbusd.
@@ -206,26 +207,21 @@ constexpr int64_t kVChunks = 2;
 // 15-bit weights moved end_to_end_test's q8_0 logits against its stored-value reference by up to
 // 9.6e-3 (tolerance 1e-2; f32 arithmetic gives 3e-6); an int8 query for the K side (llama.cpp's
 // q8_0 x q8_0 dot) moved them by 1.3e-2 to 3.8e-2.
-// Quantized plain V, dims [blk0 * 32, blk0 * 32 + kSpan): the weights p[g][j] * d_blk[j] are
-// formed once per block (vectors over j), then each row's codes are converted once and FMAed into
-// every head's accumulators, kC chunks per pass.
+// Quantized plain V, dims [blk0 * 32, blk0 * 32 + kSpan): each row's codes are converted and
+// multiplied by their block's scale once (shared by the heads), then FMAed into every head's
+// accumulators with p[g][j] broadcast inside the FMA, kC chunks per pass: acc += p * (d * code),
+// V's values formed as the reference forms them. Until session 15 the weights p * d were formed
+// per block from scales gathered beforehand (GatherScales: a 2-byte copy from every row, then a
+// vector conversion), which cost ~1.5 ns per cell and KV head at head_dim 64 (3.5 at 128) on the
+// Zen 4 against the one multiply per 16 codes here: q8_0 decode 3-4% faster per call in cache, 2%
+// (head_dim 64) and 7% (128) from DRAM at 32768 cells (1 thread, old and new alternating).
 template <DType T, int kG, int64_t kC>
 HWY_INLINE void AccumQuantGroup(DF df, const char* vrow0, size_t vstride, int64_t n, int64_t blk0,
-                                const float* p, int64_t p_stride, const float* vscale, float* acc,
-                                int64_t acc_stride, LineCursor& next_k) {
+                                const float* p, int64_t p_stride, float* acc, int64_t acc_stride,
+                                LineCursor& next_k) {
   constexpr int64_t kPass = kC * static_cast<int64_t>(kN);
   constexpr int64_t kBlocks = kPass >= 32 ? kPass / 32 : 1;
   constexpr int64_t kSpan = kBlocks * 32;
-  HWY_ALIGN float w[kBlocks][kG][kScaleStride];
-  for (int64_t lb = 0; lb < kBlocks; ++lb) {
-    for (int g = 0; g < kG; ++g) {
-      for (int64_t j = 0; j < n; j += kN) {
-        hn::Store(hn::Mul(hn::Load(df, p + g * p_stride + j),
-                          hn::Load(df, vscale + (blk0 + lb) * kScaleStride + j)),
-                  df, &w[lb][g][j]);
-      }
-    }
-  }
   for (int64_t i = blk0 * 32; i < blk0 * 32 + kSpan; i += kPass) {
     VF a[kC][kG];
     for (int64_t c = 0; c < kC; ++c)
@@ -233,10 +229,12 @@ HWY_INLINE void AccumQuantGroup(DF df, const char* vrow0, size_t vstride, int64_
     for (int64_t j = 0; j < n; ++j) {
       const char* vr = vrow0 + static_cast<size_t>(j) * vstride;
       next_k.Issue();
+      VF d[kBlocks];
+      for (int64_t lb = 0; lb < kBlocks; ++lb) d[lb] = hn::Set(df, BlockScale<T>(vr, i / 32 + lb));
       for (int64_t c = 0; c < kC; ++c) {
-        const int64_t lb = (i + c * static_cast<int64_t>(kN)) / 32 - blk0;
-        const VF vv = LoadCodes<T>(df, vr, i + c * kN);
-        for (int g = 0; g < kG; ++g) a[c][g] = MulAddBroadcast(&w[lb][g][j], vv, a[c][g]);
+        const int64_t lb = c * static_cast<int64_t>(kN) / 32;
+        const VF vv = hn::Mul(LoadCodes<T>(df, vr, i + c * kN), d[lb]);
+        for (int g = 0; g < kG; ++g) a[c][g] = MulAddBroadcast(&p[g * p_stride + j], vv, a[c][g]);
       }
     }
     for (int64_t c = 0; c < kC; ++c)
@@ -246,20 +244,18 @@ HWY_INLINE void AccumQuantGroup(DF df, const char* vrow0, size_t vstride, int64_
 
 template <DType T, int kG>
 HWY_INLINE void AccumQuant(DF df, const char* vrow0, size_t vstride, int64_t n, int64_t Dv,
-                           const float* p, int64_t p_stride, const float* vscale, float* acc,
-                           int64_t acc_stride, LineCursor& next_k) {
+                           const float* p, int64_t p_stride, float* acc, int64_t acc_stride,
+                           LineCursor& next_k) {
   constexpr int64_t kC = kG <= 4 ? kVChunks : 1;
   constexpr int64_t kPass = kC * static_cast<int64_t>(kN);
   constexpr int64_t kBlocks = kPass >= 32 ? kPass / 32 : 1;
   int64_t blk = 0;
   for (; blk + kBlocks <= Dv / 32; blk += kBlocks) {
-    AccumQuantGroup<T, kG, kC>(df, vrow0, vstride, n, blk, p, p_stride, vscale, acc, acc_stride,
-                               next_k);
+    AccumQuantGroup<T, kG, kC>(df, vrow0, vstride, n, blk, p, p_stride, acc, acc_stride, next_k);
   }
   for (; blk < Dv / 32; ++blk) {  // a block left over (Dv / 32 odd with two-block passes)
     constexpr int64_t kC1 = 32 / static_cast<int64_t>(kN) < kC ? 32 / static_cast<int64_t>(kN) : kC;
-    AccumQuantGroup<T, kG, kC1>(df, vrow0, vstride, n, blk, p, p_stride, vscale, acc, acc_stride,
-                                next_k);
+    AccumQuantGroup<T, kG, kC1>(df, vrow0, vstride, n, blk, p, p_stride, acc, acc_stride, next_k);
   }
 }
 
@@ -354,8 +350,7 @@ HWY_INLINE void AccumQuantInt(DF df, const char* vrow0, size_t vstride, int64_t 
       dinv[grp] = dmax[grp] > 0.0f ? 32767.0f / dmax[grp] : 0.0f;
     }
     if (!finite) {  // inf / NaN scales: the f32 path, which propagates them
-      AccumQuantGroup<T, kG, 2>(df, vrow0, vstride, n, blk, p, p_stride, vscale, acc, acc_stride,
-                                next_k);
+      AccumQuantGroup<T, kG, 2>(df, vrow0, vstride, n, blk, p, p_stride, acc, acc_stride, next_k);
       continue;
     }
     for (int g = 0; g < kG; ++g) {
@@ -1126,7 +1121,6 @@ HWY_NOINLINE void DecodeCells(const Ctx& c, int64_t h, int64_t b, int64_t g0, in
   const char* kbase = static_cast<const char*>(c.k.data) + static_cast<size_t>(h) * c.k.nb[1];
   const char* vrow0 = static_cast<const char*>(c.v.data) + static_cast<size_t>(h) * c.v.nb[1] +
                       static_cast<size_t>(c0) * c.v.nb[2];
-  HWY_ALIGN float vd[IsQuantized(T) ? kMaxQBlocks : 1][kScaleStride];
 
   const size_t kst = c.k.nb[2], vst = c.v.nb[2];
   const char* krow0 = kbase + static_cast<size_t>(c0) * kst;
@@ -1219,17 +1213,18 @@ HWY_NOINLINE void DecodeCells(const Ctx& c, int64_t h, int64_t b, int64_t g0, in
     AccumPermuted<T, kG>(df, vhead, c.v.nb[1], c0, n, c.Dv, &s[0][0], kBlockCells + kRowPad, state,
                          rs, next_k);
   } else if constexpr (IsQuantized(T)) {
-    // The V rows were prefetched during the K pass: the scales gather from cache.
-    GatherScales<T>(df, vrow0, c.v.nb[2], n, c.Dv / 32, &vd[0][0]);
 #if HWY_TARGET == HWY_AVX3_DL
     if (c.p.integer_v) {
+      // The V rows were prefetched during the K pass: the scales gather from cache.
+      HWY_ALIGN float vd[kMaxQBlocks][kScaleStride];
+      GatherScales<T>(df, vrow0, c.v.nb[2], n, c.Dv / 32, &vd[0][0]);
       AccumQuantInt<T, kG>(df, vrow0, c.v.nb[2], n, c.Dv, &s[0][0], kBlockCells + kRowPad,
                            &vd[0][0], state, rs, next_k);
       return;
     }
 #endif
-    AccumQuant<T, kG>(df, vrow0, c.v.nb[2], n, c.Dv, &s[0][0], kBlockCells + kRowPad, &vd[0][0],
-                      state, rs, next_k);
+    AccumQuant<T, kG>(df, vrow0, c.v.nb[2], n, c.Dv, &s[0][0], kBlockCells + kRowPad, state, rs,
+                      next_k);
   } else {
     AccumPlain<T, kG>(df, vrow0, c.v.nb[2], n, c.Dv, &s[0][0], kBlockCells + kRowPad, state, rs,
                       next_k);
