@@ -95,6 +95,51 @@ inline void PrefetchLine(const void* p) {
 #endif
 }
 
+// Requests the cache lines of [next, end) a few at a time, from inside a loop that does other work,
+// so that the requests are spread over it instead of stalling on the miss buffers all at once.
+// The rate is fractional (16.16 fixed point): a loop of more steps than lines asks for one line
+// every few steps. Once every line is asked for, Issue is a compare. to_l2: prefetcht2 instead of
+// prefetcht0 (PrefetchLevel, kernels/attention.h).
+struct LineCursor {
+  const char* next = nullptr;
+  const char* end = nullptr;
+  uint64_t rate = 0;    // lines per Issue, << 16
+  uint64_t credit = 0;  // lines owed, << 16
+  bool to_l2 = false;
+  // The lines of bytes [from, to), spread over `steps` calls of Issue (none when the range is
+  // empty).
+  static LineCursor Over(const char* from, const char* to, int64_t steps, bool to_l2) {
+    LineCursor lc;
+    lc.to_l2 = to_l2;
+    if (to <= from || steps <= 0) return lc;
+    lc.next = reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(from) & ~uintptr_t{63});
+    lc.end = to;
+    lc.Spread(steps);
+    return lc;
+  }
+  // Spreads the lines not asked for yet evenly over the next `steps` (>= 1) calls of Issue, the
+  // last line no later than the last call. A loop calls it with the number of Issue calls it
+  // makes, where that is not the count given to Over.
+  void Spread(int64_t steps) {
+    if (next >= end) return;
+    const uint64_t lines = static_cast<uint64_t>(end - next + 63) / 64;
+    const uint64_t n = static_cast<uint64_t>(std::max<int64_t>(steps, 1));
+    rate = ((lines << 16) + n - 1) / n;
+    credit = 0;
+  }
+  HWY_INLINE void Issue() {
+    if (next >= end) return;
+    credit += rate;
+    for (; credit >= (uint64_t{1} << 16) && next < end; credit -= uint64_t{1} << 16, next += 64) {
+      if (to_l2) {
+        PrefetchLine</*kToL2=*/true>(next);
+      } else {
+        PrefetchLine(next);
+      }
+    }
+  }
+};
+
 // One 64-byte-aligned float buffer per thread (three: `which`) that only grows. Growth is geometric
 // with a 256 KiB floor: the visible-span table needs B * (L / 2 + 1) entries, so growing to the
 // exact size reallocated on every other decode step as the history lengthened. With the floor a

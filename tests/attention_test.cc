@@ -1047,6 +1047,49 @@ TEST(DecodePrefetchPlan, AsksForEveryRowOnceWithinTheTask) {
   walk(0, 1024, {{0, 64}, {700, 128}, {828, 100}});
 }
 
+// Decode's prefetch cursor (kernels/attention_internal.h) spreads its lines evenly over the steps
+// it is given: by the last step every line is asked for, exactly once, and no step runs ahead of
+// its share (requests asked for all at once outran the memory: session 16, head_dim 128 V passes).
+// Spread re-spreads what is left over a new count of steps.
+TEST(DecodeLineCursor, SpreadsEveryLineOverTheSteps) {
+  alignas(64) static char buf[64 * 600];
+  const auto lines_asked = [](const kernels::attn::LineCursor& lc, const char* from) {
+    return (std::min(lc.next, lc.end) - from + 63) / 64;
+  };
+  for (const int64_t lines : {1, 3, 64, 128, 512}) {
+    for (const int64_t steps : {1, 5, 128, 256, 1000}) {
+      SCOPED_TRACE(::testing::Message() << lines << " lines over " << steps << " steps");
+      // The range starts mid-line: its first line counts.
+      const char* from = buf + 64 + 8;
+      const char* aligned = buf + 64;
+      auto lc = kernels::attn::LineCursor::Over(from, aligned + 64 * lines, steps, true);
+      for (int64_t k = 1; k <= steps; ++k) {
+        lc.Issue();
+        const int64_t share = (k * lines + steps - 1) / steps;
+        ASSERT_LE(lines_asked(lc, aligned), share) << "step " << k;
+        ASSERT_GE(lines_asked(lc, aligned), k * lines / steps) << "step " << k;
+      }
+      EXPECT_EQ(lines_asked(lc, aligned), lines);
+      lc.Issue();  // nothing left: no line past the end
+      EXPECT_EQ(lines_asked(lc, aligned), lines);
+    }
+  }
+  // Half the steps done, the rest re-spread over 4x as many steps.
+  auto lc = kernels::attn::LineCursor::Over(buf, buf + 64 * 512, 128, false);
+  for (int k = 0; k < 64; ++k) lc.Issue();
+  EXPECT_EQ(lc.next, buf + 64 * 256);
+  lc.Spread(512);
+  for (int k = 1; k <= 512; ++k) {
+    lc.Issue();
+    ASSERT_LE(lc.next - (buf + 64 * 256), 64 * ((k * 256 + 511) / 512)) << "step " << k;
+  }
+  EXPECT_EQ(lc.next, buf + 64 * 512);
+  // Empty ranges ask for nothing.
+  auto none = kernels::attn::LineCursor::Over(buf + 64, buf + 64, 10, true);
+  none.Issue();
+  EXPECT_EQ(none.next, nullptr);
+}
+
 }  // namespace
 }  // namespace kv
 
