@@ -102,7 +102,14 @@ constexpr int64_t kScaleStride = kBlockCells + kRowPad;
 // and the first loads of V rows still missed. Only the requests for the V rows and for the next
 // piece's K rows matter (the cold piece's own K rows with t2 as well: within 1%). PrefetchLevel
 // (kernels/attention.h) picks the hint per CPU; bench_attention's BM_DecodePrefetchLevels
-// measures both on any machine.
+// measures both on any machine. Session 16, same Zen 4: at head_dim 128 the V pass walks each
+// piece twice (64 dims per walk) and the next piece's K rows were all asked for during the first
+// walk; with K from DRAM and V in cache a call ran ~28 ns per cell and KV head, with V from DRAM
+// and K in cache ~23 (all in cache ~22). The requests outran what the memory delivers, and the
+// next K pass waited on its rows. Spread over both walks (LineCursor::Spread in every V pass),
+// f16 at 32768 cells went from ~31.5 to ~24 ns on 1 thread (0.50 -> 0.61 of the read bandwidth)
+// and from 0.48 to 0.90 on 2; asking for half of those rows during the K pass instead did as
+// well at head_dim 128 and was 5% slower at 64.
 constexpr int64_t kPrefetchBytes = 4096;
 constexpr int64_t kMaxQBlocks = kAttentionMaxHeadDim / 32;
 
@@ -925,13 +932,14 @@ HWY_INLINE void AccumPlain(DF df, const char* vrow0, size_t vstride, int64_t n, 
   // rows spread over all of them. Spread over the first walk only (head_dim 128 walks twice),
   // they ran ahead of what the memory delivers and the next K pass waited on its rows: f16 decode,
   // head_dim 128, 32768 cells, 1 thread, 31.5 -> 23.9 ns per cell and KV head (session 16, Zen 4).
-  const int64_t per_pass = kG <= 4 ? kVChunks * static_cast<int64_t>(kN) : 0;
+  // kC chunks per pass: kVChunks for up to 4 heads, fewer for 8 (the same 4 x 4 accumulators).
+  constexpr int64_t kC = kG <= 4 ? kVChunks : std::max<int64_t>(1, kVChunks * 4 / kG);
+  const int64_t per_pass = kC > 1 ? kC * static_cast<int64_t>(kN) : 0;
   const int64_t full = per_pass > 0 ? Dv / per_pass : 0;
   const int64_t rest = Dv - full * per_pass;
   next_k.Spread(n * (full + (rest + static_cast<int64_t>(kN) - 1) / static_cast<int64_t>(kN)));
   int64_t i = 0;
-  if constexpr (kG <= 4) {  // kVChunks chunks per pass (see kVChunks)
-    constexpr int64_t kC = kVChunks;
+  if constexpr (kC > 1) {
     for (; i + kC * static_cast<int64_t>(kN) <= Dv; i += kC * kN) {
       VF a[kC][kG];
       for (int64_t c = 0; c < kC; ++c)
@@ -958,7 +966,7 @@ HWY_INLINE void AccumPlain(DF df, const char* vrow0, size_t vstride, int64_t n, 
       const char* vr = vrow0 + static_cast<size_t>(j) * vstride;
       next_k.Issue();
       const VF vv = tail ? LoadFloatTail<T>(df, vr, i, Dv - i) : LoadFloat<T>(df, vr, i);
-      for (int g = 0; g < kG; ++g) a[g] = hn::MulAdd(hn::Set(df, p[g * p_stride + j]), vv, a[g]);
+      for (int g = 0; g < kG; ++g) a[g] = MulAddBroadcast(&p[g * p_stride + j], vv, a[g]);
     }
     for (int g = 0; g < kG; ++g) hn::Store(a[g], df, acc + g * acc_stride + i);
   }
