@@ -111,7 +111,6 @@ constexpr int64_t kScaleStride = kBlockCells + kRowPad;
 // and from 0.48 to 0.90 on 2; asking for half of those rows during the K pass instead did as
 // well at head_dim 128 and was 5% slower at 64.
 constexpr int64_t kPrefetchBytes = 4096;
-constexpr int64_t kMaxQBlocks = kAttentionMaxHeadDim / 32;
 
 // One batch row's query heads of a KV head's group: f32 pre-scaled rows [G][Dp], and for the
 // integer K pass (AttentionKernelParams::integer_k) the same rows rounded to int16, [G][2 * D] in
@@ -1232,6 +1231,7 @@ HWY_NOINLINE void DecodeCells(const Ctx& c, int64_t h, int64_t b, int64_t g0, in
 #if HWY_TARGET == HWY_AVX3_DL
     if (c.p.integer_v) {
       // The V rows were prefetched during the K pass: the scales gather from cache.
+      constexpr int64_t kMaxQBlocks = kAttentionMaxHeadDim / 32;
       HWY_ALIGN float vd[kMaxQBlocks][kScaleStride];
       GatherScales<T>(df, vrow0, c.v.nb[2], n, c.Dv / 32, &vd[0][0]);
       AccumQuantInt<T, kG>(df, vrow0, c.v.nb[2], n, c.Dv, &s[0][0], kBlockCells + kRowPad,
