@@ -123,6 +123,9 @@ struct QRows {
   // [G][kQBytesPerBlock24 * D / 32]; nullptr: none. Exclusive with i / bytes; step serves both.
   const int8_t* bytes24 = nullptr;
   const float* step = nullptr;
+  // f16 K on AVX-512 with D % 16 == 0: the query pattern of each group of 4 heads for
+  // DotHeadsPairs8, [G / 4][D * kPairPatternFloatsPerDim]; nullptr: none.
+  const float* pairs = nullptr;
 };
 
 // IntDotHeads16's query layout, per head and block of 32 dims: the high bytes' 8 dwords, the low
@@ -131,6 +134,10 @@ constexpr int64_t kQBytesPerBlock = 80;
 // IntDotHeads16<kH, true>'s, per head and block: the high, middle and low bytes' 8 dwords each,
 // the three planes' corrections (int32) and padding to 16-byte multiples.
 constexpr int64_t kQBytesPerBlock24 = 112;
+// DotHeadsPairs8's query pattern (AVX-512, f16 K): D * 16 floats per group of 4 heads.
+constexpr int64_t kPairPatternFloatsPerDim = 16;
+// DotHeadsPairs8 serves head_dim 16 .. 64 (multiples of 16); above, DotHeads4 measured faster.
+constexpr int64_t kPairsMaxHeadDim = 64;
 
 // The f16 block scales of n quantized rows, converted with vector f16 -> f32 (exact) instead of
 // one scalar conversion per (row, block, vector): out[blk * kScaleStride + j]. (A 32-bit
@@ -596,6 +603,95 @@ HWY_INLINE void DotHeads4(DF df, const char* krow0, size_t kstride, const float*
   for (int g = 0; g < kG; ++g) hn::StoreU(hn::Load(d4, out + 4 * g), d4, s + g * s_stride);
 }
 #endif  // AVX3
+
+#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
+// ---- f16 K, 8 rows x 4 heads with the rows' dimension pairs transposed ------------------------
+// DotHeads4 spends, per 4 rows and 4 heads, a transposing reduction of 16 vectors (30 shuffles
+// and 15 adds): on Zen 4 the shuffles share a pipe with the FMAs. Here the rows are transposed
+// instead, in 32-bit words (pairs of f16 dims), two in-lane stages per 4 rows and 8 words (16
+// ymm shuffles, no cross-lane ones): word w of rows r0..r3 in the low 128 bits and word w + 4 in
+// the high, which vcvtph2ps widens to a vector whose lane 8h + 2r + p holds row r, dim
+// 2 * (w + 4h) + p of the 16-dim block. One FMA per head multiplies it by the query pattern
+// (PairPattern: the query's dims in the same lane order, built once per call) for 4 rows at once;
+// what is left is to add each row's 4 lanes (half h, parity p): 12 shuffles and 6 adds per 8
+// rows and 4 heads. The FMA count and the conversions are DotHeads4's; each logit is summed in
+// another order (4 lanes of D / 16 products each), with the same f32 error bound.
+// Session 17, Zen 4, f16, 32 / 8 heads, 1 thread, old and new binaries alternating: head_dim 64
+// 13.5 -> 12.9 ns per cell and KV head in cache and at 32768 cells (4-5%; 0.57-0.59 -> ~0.6 of
+// the read bandwidth), head_dim 32 ~10%, 48 ~2%. At 80 and above the whole call ran slower (128:
+// ~12%; its K pass alone ~20%, also with K in L1): not the pattern's loads (one load per two FMAs
+// measured no better), not the FMA chains (two per sum: no change), partly the prefetch requests
+// (all 8 rows' at once: see below). So it serves head_dim <= kPairsMaxHeadDim.
+// Precondition: D % 16 == 0. pattern: [D / 16][4 words][4 heads][16] floats (PairPattern).
+// s[g * s_stride + r] receives row r, head g.
+
+// The query pattern of 4 heads' pre-scaled rows qs[g * Dp ..] for DotHeadsPairs8.
+HWY_INLINE void PairPattern(const float* qs, int64_t Dp, int64_t D, float* pattern) {
+  HWY_ALIGN static constexpr int32_t kIdx[4][16] = {
+      {0, 1, 0, 1, 0, 1, 0, 1, 8, 9, 8, 9, 8, 9, 8, 9},
+      {2, 3, 2, 3, 2, 3, 2, 3, 10, 11, 10, 11, 10, 11, 10, 11},
+      {4, 5, 4, 5, 4, 5, 4, 5, 12, 13, 12, 13, 12, 13, 12, 13},
+      {6, 7, 6, 7, 6, 7, 6, 7, 14, 15, 14, 15, 14, 15, 14, 15}};
+  for (int64_t blk = 0; blk < D / 16; ++blk) {
+    for (int w = 0; w < 4; ++w) {
+      const __m512i idx = _mm512_load_si512(kIdx[w]);
+      for (int g = 0; g < 4; ++g) {
+        const __m512 q = _mm512_loadu_ps(qs + g * Dp + 16 * blk);
+        _mm512_store_ps(pattern + ((blk * 4 + w) * 4 + g) * 16, _mm512_permutexvar_ps(idx, q));
+      }
+    }
+  }
+}
+
+template <class Prefetch>
+HWY_INLINE void DotHeadsPairs8(const char* krow0, size_t kstride, const float* pattern, int64_t D,
+                               float* s, int64_t s_stride, const Prefetch& prefetch_row) {
+  __m512 acc[4][2];  // [head][rows 0-3, rows 4-7]
+  for (int g = 0; g < 4; ++g) acc[g][0] = acc[g][1] = _mm512_setzero_ps();
+  // Half of the 8 rows' prefetch requests before the loop, half after it: all 8 at once queued
+  // more requests ahead of the loads (the K pass alone at head_dim 128: ~20% -> ~9% slower).
+  for (int r = 0; r < 4; ++r) prefetch_row();
+  for (int64_t blk = 0; blk < D / 16; ++blk) {
+    for (int half = 0; half < 2; ++half) {
+      const char* k = krow0 + 4 * half * kstride + 32 * blk;
+      __m256 r[4];
+      for (int i = 0; i < 4; ++i) {
+        r[i] = _mm256_loadu_ps(reinterpret_cast<const float*>(k + i * kstride));
+      }
+      // u[w]: word w of the 4 rows in the low 128 bits, word w + 4 in the high.
+      const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+      const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+      const __m256 u[4] = {_mm256_shuffle_ps(t0, t2, 0x44), _mm256_shuffle_ps(t0, t2, 0xEE),
+                           _mm256_shuffle_ps(t1, t3, 0x44), _mm256_shuffle_ps(t1, t3, 0xEE)};
+      for (int w = 0; w < 4; ++w) {
+        const __m512 kv = _mm512_cvtph_ps(_mm256_castps_si256(u[w]));
+        const float* pw = pattern + (blk * 4 + w) * 64;
+        for (int g = 0; g < 4; ++g) {
+          acc[g][half] = _mm512_fmadd_ps(_mm512_load_ps(pw + 16 * g), kv, acc[g][half]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < 4; ++r) prefetch_row();
+  // Halves: lanes 0-7 of T[g] rows 0-3 (lane 2r + p), lanes 8-15 rows 4-7.
+  __m512 t[4];
+  for (int g = 0; g < 4; ++g) {
+    t[g] = _mm512_add_ps(_mm512_mask_blend_ps(0xFF00, acc[g][0], acc[g][1]),
+                         _mm512_shuffle_f32x4(acc[g][0], acc[g][1], 0x4E));
+  }
+  // Parities, two heads a and b at once: block k holds [a r2k, a r2k+1, b r2k, b r2k+1].
+  HWY_ALIGN static constexpr int32_t kOrder[16] = {0, 1, 4, 5, 8,  9,  12, 13,
+                                                   2, 3, 6, 7, 10, 11, 14, 15};
+  const __m512i order = _mm512_load_si512(kOrder);
+  for (int g = 0; g < 4; g += 2) {
+    const __m512 v = _mm512_add_ps(_mm512_shuffle_ps(t[g], t[g + 1], 0x88),
+                                   _mm512_shuffle_ps(t[g], t[g + 1], 0xDD));
+    const __m512 o = _mm512_permutexvar_ps(order, v);  // head g rows 0-7, head g + 1 rows 0-7
+    _mm256_storeu_ps(s + g * s_stride, _mm512_castps512_ps256(o));
+    _mm256_storeu_ps(s + (g + 1) * s_stride, _mm512_extractf32x8_ps(o, 1));
+  }
+}
+#endif  // AVX3 (pairs)
 
 #if HWY_TARGET == HWY_AVX3_DL
 // ---- q8_0 K with integer products (AttentionKernelParams::integer_k) ---------------------------
@@ -1198,6 +1294,15 @@ HWY_NOINLINE void DecodeCells(const Ctx& c, int64_t h, int64_t b, int64_t g0, in
   }
 #endif
 #if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
+  if constexpr (kG == 4 && T == DType::kF16) {
+    if (q.pairs != nullptr) {
+      const float* pattern = q.pairs + (g0 / 4) * c.D * kPairPatternFloatsPerDim;
+      for (; j + 8 <= n; j += 8) {
+        DotHeadsPairs8(kbase + static_cast<size_t>(c0 + j) * kst, kst, pattern, c.D, &s[0][j],
+                       kBlockCells + kRowPad, prefetch_row);
+      }
+    }
+  }
   if constexpr (kG == 4) {
     const int64_t n4 = IsQuantized(T) || c.D % static_cast<int64_t>(kN) == 0 ? n : 0;
     for (; j + 4 <= n4; j += 4) {
@@ -1360,11 +1465,23 @@ void DecodeHeadChunk(const Ctx& c, int64_t h, int64_t chunk) {
       integer_k ? static_cast<size_t>(c.B * c.G * (c.D + qb_row / 4))
                 : (integer_k24 ? static_cast<size_t>(c.B * c.G * (qb24_row / 4)) : 0);
   const bool any_int = integer_k || integer_k24;
-  float* qs = attn::ThreadScratch(qf_floats + qi_floats + (any_int ? c.B * c.G : 0), 1);
+  bool pairs = false;
+#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
+  // DecodeCells<.., 4> runs (G % 8 >= 4), and head_dim <= 64: see DotHeadsPairs8.
+  pairs = T == DType::kF16 && c.D % 16 == 0 && c.D <= kPairsMaxHeadDim && c.G % 8 >= 4;
+#endif
+  const size_t pair_floats =
+      pairs ? static_cast<size_t>(c.B * (c.G / 4) * c.D * kPairPatternFloatsPerDim) : 0;
+  const size_t step_floats = any_int ? static_cast<size_t>(c.B * c.G) : 0;
+  float* qs = attn::ThreadScratch(qf_floats + qi_floats + step_floats + pair_floats + 16, 1);
   int16_t* qi = integer_k ? reinterpret_cast<int16_t*>(qs + qf_floats) : nullptr;
   int8_t* qbytes = integer_k ? reinterpret_cast<int8_t*>(qi + c.B * c.G * 2 * c.D) : nullptr;
   int8_t* qbytes24 = integer_k24 ? reinterpret_cast<int8_t*>(qs + qf_floats) : nullptr;
   float* qstep = qs + qf_floats + qi_floats;
+  float* qpairs = pairs ? qstep + step_floats : nullptr;
+  if (qpairs != nullptr) {  // 64-byte aligned
+    qpairs += (16 - (reinterpret_cast<uintptr_t>(qpairs) / sizeof(float)) % 16) % 16;
+  }
   const VF vscale = hn::Set(df, c.p.scale);
   for (int64_t b = 0; b < c.B; ++b) {
     for (int64_t g = 0; g < c.G; ++g) {
@@ -1384,6 +1501,12 @@ void DecodeHeadChunk(const Ctx& c, int64_t h, int64_t chunk) {
       }
 #endif
     }
+#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
+    for (int64_t g4 = 0; pairs && g4 < c.G / 4; ++g4) {
+      PairPattern(qs + (b * c.G + 4 * g4) * c.Dp, c.Dp, c.D,
+                  qpairs + (b * (c.G / 4) + g4) * c.D * kPairPatternFloatsPerDim);
+    }
+#endif
   }
   const auto q_row = [&](int64_t b) {
     QRows r;
@@ -1395,6 +1518,7 @@ void DecodeHeadChunk(const Ctx& c, int64_t h, int64_t chunk) {
       r.bytes24 = qbytes24 + b * c.G * qb24_row;
     }
     if (any_int) r.step = qstep + b * c.G;
+    if (qpairs != nullptr) r.pairs = qpairs + b * (c.G / 4) * c.D * kPairPatternFloatsPerDim;
     return r;
   };
   // Per row, a cursor into its spans: the first span ending after lo.

@@ -389,6 +389,30 @@ TEST_P(AttentionTest, MatrixSmall) {
   }
 }
 
+// Query-head groups that leave 4 heads after the groups of 8 (G 5, 12: the 4-head K pass reads
+// its heads at an offset) and small head dims (32, 48: f16 K on AVX-512 takes DotHeadsPairs8 up to
+// 64), with histories whose length leaves tails after the 8-row groups.
+TEST_P(AttentionTest, HeadGroupsAndSmallHeadDims) {
+  int mi = 0;
+  for (auto [dt, perm] : DTypeLayouts()) {
+    if (dt != DType::kF16 && dt != DType::kF32) continue;
+    for (int G : {5, 12}) {
+      for (int D : {32, 48, 64}) {
+        Case c;
+        c.dt = dt;
+        c.perm = perm;
+        c.D = c.Dv = D;
+        c.G = G;
+        c.B = 1 + 2 * (mi % 2);
+        c.L = 61 + 70 * (mi % 3);  // 61, 131, 201: 8-row groups, then 5, 3 or 1 rows
+        c.mask = mi % 2 == 0 ? MaskKind::kCausal : MaskKind::kMultiSeq;
+        ++mi;
+        CheckCase(c, {{AttentionMode::kDecode, nullptr}});
+      }
+    }
+  }
+}
+
 // B = 512 (the prefill shape) with a short history, every dtype and layout.
 TEST_P(AttentionTest, Batch512) {
   int mi = 0;
