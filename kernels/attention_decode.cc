@@ -38,6 +38,9 @@
 // GatherScales took ~1.2 (2.8 at head_dim 128; neither the L1 prefetch level nor separating the
 // copies from the converting loads changed it) and the weights p * d ~0.35: AccumQuantGroup now
 // scales the codes instead (GatherScales serves integer_v only).
+// Session 17: f16 K at head_dim <= 64 on AVX-512 takes DotHeadsPairs8, which transposes the rows
+// in pairs of dims instead of reducing the sums (head_dim 64: ~13.5 -> ~12.9 ns per cell and KV
+// head); see there, also for why not at larger head dims.
 //
 // AVX3_DL (AVX-512 with VNNI) is compiled too: the integer V and K passes use its vpdpwssd and
 // vpdpbusd.
@@ -136,8 +139,6 @@ constexpr int64_t kQBytesPerBlock = 80;
 constexpr int64_t kQBytesPerBlock24 = 112;
 // DotHeadsPairs8's query pattern (AVX-512, f16 K): D * 16 floats per group of 4 heads.
 constexpr int64_t kPairPatternFloatsPerDim = 16;
-// DotHeadsPairs8 serves head_dim 16 .. 64 (multiples of 16); above, DotHeads4 measured faster.
-constexpr int64_t kPairsMaxHeadDim = 64;
 
 // The f16 block scales of n quantized rows, converted with vector f16 -> f32 (exact) instead of
 // one scalar conversion per (row, block, vector): out[blk * kScaleStride + j]. (A 32-bit
@@ -626,6 +627,9 @@ HWY_INLINE void DotHeads4(DF df, const char* krow0, size_t kstride, const float*
 // 26.2 -> 24.8 at 32768 cells, against DotHeads2).
 // Precondition: D % 16 == 0. pattern: [D / 16][4 words][4 heads][16] floats (PairPattern).
 // s[g * s_stride + r] receives row r, head g.
+
+// DotHeadsPairs8 serves head_dim 16 .. 64 (multiples of 16); above, DotHeads4 measured faster.
+constexpr int64_t kPairsMaxHeadDim = 64;
 
 // The query pattern of 4 heads' pre-scaled rows qs[g * Dp ..] for DotHeadsPairs8.
 HWY_INLINE void PairPattern(const float* qs, int64_t Dp, int64_t D, float* pattern) {
