@@ -1462,7 +1462,8 @@ void DecodeHeadChunk(const Ctx& c, int64_t h, int64_t chunk) {
     row[c.Dvp] = neg_inf;
     row[c.Dvp + 1] = 0.0f;
   }
-  // The group's query rows, pre-scaled and zero-padded: [B][G][Dp]; for the 16-bit integer K pass
+  // Scratch: for DotHeadsPairs8 first the query patterns, [B][G / 4][D * 16]; then the group's
+  // query rows, pre-scaled and zero-padded: [B][G][Dp]; for the 16-bit integer K pass
   // also as int16, [B][G][2 * D], and as bytes, [B][G][qb_row]; for the 24-bit one as bytes,
   // [B][G][qb24_row]; then the integer rows' steps [B][G].
   bool integer_k = false, integer_k24 = false;
@@ -1482,18 +1483,18 @@ void DecodeHeadChunk(const Ctx& c, int64_t h, int64_t chunk) {
   // Groups of 4 or 8 heads (DecodeCells<.., 4 or 8>) and head_dim <= 64: see DotHeadsPairs8.
   pairs = T == DType::kF16 && c.D % 16 == 0 && c.D <= kPairsMaxHeadDim && c.G >= 4;
 #endif
-  const size_t pair_floats =
-      pairs ? static_cast<size_t>(c.B * (c.G / 4) * c.D * kPairPatternFloatsPerDim) : 0;
+  // Each pattern is a multiple of 16 floats: the patterns and the rows after them stay 64-byte
+  // aligned (ThreadScratch is).
+  const int64_t pattern_floats = c.D * kPairPatternFloatsPerDim;  // per group of 4 heads
+  const size_t pair_floats = pairs ? static_cast<size_t>(c.B * (c.G / 4) * pattern_floats) : 0;
   const size_t step_floats = any_int ? static_cast<size_t>(c.B * c.G) : 0;
-  float* qs = attn::ThreadScratch(qf_floats + qi_floats + step_floats + pair_floats + 16, 1);
+  float* scratch = attn::ThreadScratch(pair_floats + qf_floats + qi_floats + step_floats, 1);
+  float* qpairs = pairs ? scratch : nullptr;
+  float* qs = scratch + pair_floats;
   int16_t* qi = integer_k ? reinterpret_cast<int16_t*>(qs + qf_floats) : nullptr;
   int8_t* qbytes = integer_k ? reinterpret_cast<int8_t*>(qi + c.B * c.G * 2 * c.D) : nullptr;
   int8_t* qbytes24 = integer_k24 ? reinterpret_cast<int8_t*>(qs + qf_floats) : nullptr;
   float* qstep = qs + qf_floats + qi_floats;
-  float* qpairs = pairs ? qstep + step_floats : nullptr;
-  if (qpairs != nullptr) {  // 64-byte aligned
-    qpairs += (16 - (reinterpret_cast<uintptr_t>(qpairs) / sizeof(float)) % 16) % 16;
-  }
   const VF vscale = hn::Set(df, c.p.scale);
   for (int64_t b = 0; b < c.B; ++b) {
     for (int64_t g = 0; g < c.G; ++g) {
@@ -1516,7 +1517,7 @@ void DecodeHeadChunk(const Ctx& c, int64_t h, int64_t chunk) {
 #if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
     for (int64_t g4 = 0; pairs && g4 < c.G / 4; ++g4) {
       PairPattern(qs + (b * c.G + 4 * g4) * c.Dp, c.Dp, c.D,
-                  qpairs + (b * (c.G / 4) + g4) * c.D * kPairPatternFloatsPerDim);
+                  qpairs + (b * (c.G / 4) + g4) * pattern_floats);
     }
 #endif
   }
@@ -1530,7 +1531,7 @@ void DecodeHeadChunk(const Ctx& c, int64_t h, int64_t chunk) {
       r.bytes24 = qbytes24 + b * c.G * qb24_row;
     }
     if (any_int) r.step = qstep + b * c.G;
-    if (qpairs != nullptr) r.pairs = qpairs + b * (c.G / 4) * c.D * kPairPatternFloatsPerDim;
+    if (qpairs != nullptr) r.pairs = qpairs + b * (c.G / 4) * pattern_floats;
     return r;
   };
   // Per row, a cursor into its spans: the first span ending after lo.
