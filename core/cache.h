@@ -41,6 +41,20 @@ class Cache {
   virtual void Close() = 0;
 
   // Beyond the seeds (defaults keep hand-written children of a wrapper valid).
+  // The error SetConfig / Init would return for these arguments, found without changing anything
+  // (Ok: they would be accepted; Init may still run out of memory). A wrapper asks every child
+  // before it changes any, so that its own error leaves every child as it was.
+  virtual Status CheckConfig(const CacheConfig& config) const {
+    (void)config;
+    return Status::Ok();
+  }
+  virtual Status CheckInit(DType dtype, int max_sequences, int capacity, int max_batch) const {
+    (void)dtype;
+    (void)max_sequences;
+    (void)capacity;
+    (void)max_batch;
+    return Status::Ok();
+  }
   // Bytes of K/V storage this cache holds now (allocated, not merely reserved by sizing rules).
   virtual size_t MemoryBytes() const { return 0; }
   // False when CopyPrefix would return kNotSupported whatever its arguments (a single-sequence

@@ -59,7 +59,7 @@ PassArrays CarvePassArrays(void* base, size_t max_batch, size_t max_sequences, s
 
 }  // namespace
 
-Status CausalCacheImpl::SetConfig(const CacheConfig& config) {
+Status CausalCacheImpl::CheckConfig(const CacheConfig& config) const {
   if (initialized_) return Status::Error(Code::kInvalidArgument, "SetConfig must come before Init");
   if (config.padding < 1)
     return Status::Error(Code::kInvalidArgument, "padding %d < 1", config.padding);
@@ -67,28 +67,41 @@ Status CausalCacheImpl::SetConfig(const CacheConfig& config) {
     return Status::Error(Code::kInvalidArgument, "mask dtype must be f32 or f16, not %s",
                          DTypeName(config.mask_dtype));
   }
+  return Status::Ok();
+}
+
+Status CausalCacheImpl::SetConfig(const CacheConfig& config) {
+  KV_RETURN_IF_ERROR(CheckConfig(config));
   config_ = config;
   return Status::Ok();
 }
 
-Status CausalCacheImpl::Init(DType dtype, int max_sequences, int capacity, int max_batch) {
-  // SEMANTICS.md §1. Everything is computed into locals first; nothing changes on error.
+namespace {
+
+// Init's sizing (SEMANTICS.md §1) for a cache with these construction parameters and config.
+struct InitPlan {
+  int32_t window = 0, memory = 0, cells = 0;
+};
+
+Status PlanInit(DType dtype, int max_sequences, int capacity, int max_batch,
+                int32_t requested_window, int32_t requested_memory, int32_t chunk,
+                const CacheConfig& config, InitPlan* plan) {
   if (!IsValidDType(dtype)) return Status::Error(Code::kInvalidArgument, "invalid storage dtype");
   if (max_sequences < 1 || capacity < 1 || max_batch < 1) {
     return Status::Error(Code::kInvalidArgument,
                          "max_sequences %d, capacity %d, max_batch %d must be >= 1", max_sequences,
                          capacity, max_batch);
   }
-  if (IsQuantized(dtype) && config_.permuted_v) {
+  if (IsQuantized(dtype) && config.permuted_v) {
     return Status::Error(Code::kInvalidArgument, "%s storage cannot be used with permuted V",
                          DTypeName(dtype));
   }
-  if (requested_window_ < 0 || requested_memory_ < 0 || chunk_ < 0) {
+  if (requested_window < 0 || requested_memory < 0 || chunk < 0) {
     return Status::Error(Code::kInvalidArgument, "window %d, memory %d, chunk %d must be >= 0",
-                         requested_window_, requested_memory_, chunk_);
+                         requested_window, requested_memory, chunk);
   }
-  int32_t window = requested_window_ == 0 ? kUnlimited : requested_window_;
-  int32_t memory = requested_memory_ == 0 ? window : requested_memory_;
+  int32_t window = requested_window == 0 ? kUnlimited : requested_window;
+  int32_t memory = requested_memory == 0 ? window : requested_memory;
   if (memory != kUnlimited && max_sequences > 1)
     memory = std::max(memory, window == kUnlimited ? window : window + 1);
   if (memory >= capacity) memory = kUnlimited;
@@ -98,13 +111,32 @@ Status CausalCacheImpl::Init(DType dtype, int max_sequences, int capacity, int m
   }
   int64_t cells = memory == kUnlimited ? int64_t{max_sequences} * capacity
                                        : int64_t{max_sequences} * memory + max_batch;
-  cells = (cells + config_.padding - 1) / config_.padding * config_.padding;
+  cells = (cells + config.padding - 1) / config.padding * config.padding;
   if (cells > INT32_MAX / 2)
     return Status::Error(Code::kInvalidArgument, "%lld cells is too many", (long long)cells);
+  plan->window = window;
+  plan->memory = memory;
+  plan->cells = static_cast<int32_t>(cells);
+  return Status::Ok();
+}
 
+}  // namespace
+
+Status CausalCacheImpl::CheckInit(DType dtype, int max_sequences, int capacity,
+                                  int max_batch) const {
+  InitPlan plan;
+  return PlanInit(dtype, max_sequences, capacity, max_batch, requested_window_, requested_memory_,
+                  chunk_, config_, &plan);
+}
+
+Status CausalCacheImpl::Init(DType dtype, int max_sequences, int capacity, int max_batch) {
+  // SEMANTICS.md §1. Everything is computed into locals first; nothing changes on error.
+  InitPlan plan;
+  KV_RETURN_IF_ERROR(PlanInit(dtype, max_sequences, capacity, max_batch, requested_window_,
+                              requested_memory_, chunk_, config_, &plan));
+  const int32_t window = plan.window, memory = plan.memory, n_cells = plan.cells;
   // Everything Init needs is allocated before anything changes (through the arena's allocator, so
   // injected failures reach it): on kOutOfMemory the cache is exactly as it was, even re-Init.
-  const int32_t n_cells = static_cast<int32_t>(cells);
   CellTable table;
   KV_RETURN_IF_ERROR(table.Init(n_cells, max_sequences, arena_.allocator()));
   const PassArrays sizes =
@@ -113,8 +145,8 @@ Status CausalCacheImpl::Init(DType dtype, int max_sequences, int capacity, int m
   KV_RETURN_IF_ERROR(OwnedBlock::Allocate(arena_.allocator(), sizes.bytes, &pass));
   // One mask row over every cell: a decode step (B = 1) never grows the mask buffer.
   OwnedBlock mask;
-  KV_RETURN_IF_ERROR(
-      OwnedBlock::Allocate(arena_.allocator(), static_cast<size_t>(cells) * sizeof(float), &mask));
+  KV_RETURN_IF_ERROR(OwnedBlock::Allocate(arena_.allocator(),
+                                          static_cast<size_t>(n_cells) * sizeof(float), &mask));
 
   // Commit.
   Close();
@@ -134,7 +166,7 @@ Status CausalCacheImpl::Init(DType dtype, int max_sequences, int capacity, int m
   shift_deltas_ = a.shift_deltas;
   slots_ = a.slots;
   mask_block_ = static_cast<OwnedBlock&&>(mask);
-  mask_capacity_ = static_cast<size_t>(cells);
+  mask_capacity_ = static_cast<size_t>(n_cells);
   dtype_ = dtype;
   max_sequences_ = max_sequences;
   capacity_ = capacity;

@@ -43,6 +43,8 @@ class CausalCacheImpl final : public CausalCache {
 
   Status SetConfig(const CacheConfig& config) override;
   Status Init(DType dtype, int max_sequences, int capacity, int max_batch) override;
+  Status CheckConfig(const CacheConfig& config) const override;
+  Status CheckInit(DType dtype, int max_sequences, int capacity, int max_batch) const override;
   Status StartForward(const Batch& batch, bool reserve) override;
   void SetLayer(int layer) override { layer_ = layer; }
   Status Put(const TensorView& key, const TensorView& value) override;

@@ -136,7 +136,7 @@ class EncoderCacheImpl final : public EncoderCache {
  public:
   explicit EncoderCacheImpl(const EncoderOptions& options) : options_(options) {}
 
-  Status SetConfig(const CacheConfig& config) override {
+  Status CheckConfig(const CacheConfig& config) const override {
     if (initialized_) {
       return Status::Error(Code::kInvalidArgument, "encoder: SetConfig must come before Init");
     }
@@ -145,16 +145,26 @@ class EncoderCacheImpl final : public EncoderCache {
                            "encoder: cannot enforce padding %d (only 1 is supported)",
                            config.padding);
     }
+    return Status::Ok();
+  }
+
+  Status SetConfig(const CacheConfig& config) override {
+    KV_RETURN_IF_ERROR(CheckConfig(config));
     config_ = config;
     return Status::Ok();
   }
 
-  Status Init(DType dtype, int max_sequences, int capacity, int max_batch) override {
+  Status CheckInit(DType dtype, int max_sequences, int capacity, int max_batch) const override {
     if (!IsValidDType(dtype) || max_sequences < 1 || capacity < 1 || max_batch < 1) {
       return Status::Error(Code::kInvalidArgument,
                            "encoder: Init(dtype %d, sequences %d, capacity %d, batch %d) invalid",
                            static_cast<int>(dtype), max_sequences, capacity, max_batch);
     }
+    return Status::Ok();
+  }
+
+  Status Init(DType dtype, int max_sequences, int capacity, int max_batch) override {
+    KV_RETURN_IF_ERROR(CheckInit(dtype, max_sequences, capacity, max_batch));
     Close();
     // The storage dtype is not applied: K/V keep the dtype they are given (as Ollama).
     dtype_ = dtype;

@@ -3,6 +3,11 @@
 // picks the child for each layer with SetLayerType; everything else fans out to every child.
 //
 // Choices beyond Ollama's wrapper.go:
+// - SetConfig and Init first ask every child whether it accepts the arguments (CheckConfig,
+//   CheckInit), so an argument error changes no child. An Init that still fails (a later child
+//   out of memory) closes every child: on a first Init that is the state before the call; on a
+//   re-Init the earlier children have already dropped their tokens, and closed children at least
+//   agree (Ollama leaves the earlier children initialized).
 // - StartForward with reserve = true does not unwind on a child's failure: a reserve pass changes
 //   no metadata, and removing the batch's positions would delete real tokens.
 // - CopyPrefix refuses with kNotSupported before touching any child when one child can never copy
@@ -25,13 +30,34 @@ class WrapperCacheImpl final : public WrapperCache {
   explicit WrapperCacheImpl(std::vector<std::unique_ptr<Cache>> caches)
       : caches_(std::move(caches)) {}
 
+  Status CheckConfig(const CacheConfig& config) const override {
+    for (const auto& c : caches_) KV_RETURN_IF_ERROR(c->CheckConfig(config));
+    return Status::Ok();
+  }
+
   Status SetConfig(const CacheConfig& config) override {
+    KV_RETURN_IF_ERROR(CheckConfig(config));
     for (auto& c : caches_) KV_RETURN_IF_ERROR(c->SetConfig(config));
     return Status::Ok();
   }
 
+  Status CheckInit(DType dtype, int max_sequences, int capacity, int max_batch) const override {
+    for (const auto& c : caches_) {
+      KV_RETURN_IF_ERROR(c->CheckInit(dtype, max_sequences, capacity, max_batch));
+    }
+    return Status::Ok();
+  }
+
   Status Init(DType dtype, int max_sequences, int capacity, int max_batch) override {
-    for (auto& c : caches_) KV_RETURN_IF_ERROR(c->Init(dtype, max_sequences, capacity, max_batch));
+    KV_RETURN_IF_ERROR(CheckInit(dtype, max_sequences, capacity, max_batch));
+    for (auto& c : caches_) {
+      Status s = c->Init(dtype, max_sequences, capacity, max_batch);
+      if (s.ok()) continue;
+      // Out of memory after the earlier children re-initialized: close them all rather than
+      // leave children that disagree about what they hold.
+      for (auto& d : caches_) d->Close();
+      return s;
+    }
     return Status::Ok();
   }
 

@@ -304,6 +304,10 @@ class CacheModel {
   virtual ~CacheModel() = default;
   virtual Result SetConfig(const ModelConfig& c) = 0;
   virtual Result Init(kv::DType dtype, int max_sequences, int capacity, int max_batch) = 0;
+  // What SetConfig / Init would return, changing nothing (Cache::CheckConfig / CheckInit).
+  virtual Result CheckConfig(const ModelConfig& c) const = 0;
+  virtual Result CheckInit(kv::DType dtype, int max_sequences, int capacity,
+                           int max_batch) const = 0;
   virtual Result StartForward(const std::vector<int32_t>& pos, const std::vector<int32_t>& seq,
                               const std::vector<int32_t>& multimodal, bool reserve) = 0;
   virtual void SetLayer(int layer) = 0;
@@ -353,12 +357,20 @@ class CausalCacheModel final : public CacheModel {
     return n;
   }
 
-  Result SetConfig(const ModelConfig& c) override {
+  Result CheckConfig(const ModelConfig& c) const override {
     if (initialized_ || c.padding < 1) return Result::kInvalidArgument;
     if (c.mask_dtype != kv::DType::kF32 && c.mask_dtype != kv::DType::kF16)
       return Result::kInvalidArgument;
+    return Result::kOk;
+  }
+  Result SetConfig(const ModelConfig& c) override {
+    if (CheckConfig(c) != Result::kOk) return Result::kInvalidArgument;
     config_ = c;
     return Result::kOk;
+  }
+  Result CheckInit(kv::DType dtype, int max_sequences, int capacity, int max_batch) const override {
+    return PlannedCells(dtype, max_sequences, capacity, max_batch) < 0 ? Result::kInvalidArgument
+                                                                       : Result::kOk;
   }
 
   Result Init(kv::DType dtype, int max_sequences, int capacity, int max_batch) override {
@@ -580,13 +592,21 @@ class EncoderCacheModel final : public CacheModel {
  public:
   explicit EncoderCacheModel(bool per_sequence) : per_sequence_(per_sequence) {}
 
+  Result CheckConfig(const ModelConfig& c) const override {
+    return initialized_ || c.padding != 1 ? Result::kInvalidArgument : Result::kOk;
+  }
   Result SetConfig(const ModelConfig& c) override {
-    if (initialized_ || c.padding != 1) return Result::kInvalidArgument;
+    if (CheckConfig(c) != Result::kOk) return Result::kInvalidArgument;
     permuted_v_ = c.permuted_v;
     return Result::kOk;
   }
+  Result CheckInit(kv::DType dtype, int max_sequences, int capacity, int max_batch) const override {
+    return !kv::IsValidDType(dtype) || max_sequences < 1 || capacity < 1 || max_batch < 1
+               ? Result::kInvalidArgument
+               : Result::kOk;
+  }
   Result Init(kv::DType dtype, int max_sequences, int capacity, int max_batch) override {
-    if (!kv::IsValidDType(dtype) || max_sequences < 1 || capacity < 1 || max_batch < 1)
+    if (CheckInit(dtype, max_sequences, capacity, max_batch) != Result::kOk)
       return Result::kInvalidArgument;
     Close();
     max_sequences_ = max_sequences;
@@ -732,18 +752,32 @@ class EncoderCacheModel final : public CacheModel {
 class WrapperCacheModel final : public CacheModel {
  public:
   explicit WrapperCacheModel(std::vector<CacheModel*> children) : c_(std::move(children)) {}
+  // Every child is asked first: an argument error changes no child (a model never runs out of
+  // memory, so once asked every Init succeeds).
+  Result CheckConfig(const ModelConfig& cfg) const override {
+    for (const CacheModel* c : c_) {
+      const Result r = c->CheckConfig(cfg);
+      if (r != Result::kOk) return r;
+    }
+    return Result::kOk;
+  }
   Result SetConfig(const ModelConfig& cfg) override {
-    for (CacheModel* c : c_) {
-      const Result r = c->SetConfig(cfg);
+    const Result checked = CheckConfig(cfg);
+    if (checked != Result::kOk) return checked;
+    for (CacheModel* c : c_) (void)c->SetConfig(cfg);
+    return Result::kOk;
+  }
+  Result CheckInit(kv::DType dtype, int max_sequences, int capacity, int max_batch) const override {
+    for (const CacheModel* c : c_) {
+      const Result r = c->CheckInit(dtype, max_sequences, capacity, max_batch);
       if (r != Result::kOk) return r;
     }
     return Result::kOk;
   }
   Result Init(kv::DType dtype, int max_sequences, int capacity, int max_batch) override {
-    for (CacheModel* c : c_) {
-      const Result r = c->Init(dtype, max_sequences, capacity, max_batch);
-      if (r != Result::kOk) return r;
-    }
+    const Result checked = CheckInit(dtype, max_sequences, capacity, max_batch);
+    if (checked != Result::kOk) return checked;
+    for (CacheModel* c : c_) (void)c->Init(dtype, max_sequences, capacity, max_batch);
     return Result::kOk;
   }
   Result StartForward(const std::vector<int32_t>& pos, const std::vector<int32_t>& seq,

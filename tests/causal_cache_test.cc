@@ -114,6 +114,28 @@ TEST(CausalInit, RejectsBadArguments) {
   EXPECT_EQ(ok->SetConfig(CacheConfig()).code(), Code::kInvalidArgument);  // after Init
 }
 
+TEST(CausalInit, ChecksAnswerAsTheCallsWouldAndChangeNothing) {
+  // CheckConfig / CheckInit (what a wrapper asks every child first) agree with SetConfig / Init.
+  auto bad_memory = NewSWAMemCache(20, 10);
+  EXPECT_EQ(bad_memory->CheckInit(DType::kF16, 1, 100, 4).code(), Code::kInvalidArgument);
+  EXPECT_TRUE(bad_memory->CheckInit(DType::kF16, 2, 100, 4).ok());  // memory becomes 21
+  auto c = NewCausalCache();
+  EXPECT_EQ(c->CheckInit(DType::kF16, 1, 16, 0).code(), Code::kInvalidArgument);
+  CacheConfig cfg;
+  cfg.permuted_v = true;
+  ASSERT_TRUE(c->SetConfig(cfg).ok());
+  EXPECT_EQ(c->CheckInit(DType::kQ8_0, 1, 16, 4).code(), Code::kInvalidArgument);
+  EXPECT_TRUE(c->CheckInit(DType::kF16, 1, 16, 4).ok());
+  EXPECT_EQ(c->NumCells(), 0);  // asking initialized nothing
+  cfg.padding = 0;
+  EXPECT_EQ(c->CheckConfig(cfg).code(), Code::kInvalidArgument);
+  cfg.padding = 8;
+  EXPECT_TRUE(c->CheckConfig(cfg).ok());
+  ASSERT_TRUE(c->Init(DType::kF16, 1, 20, 4).ok());
+  EXPECT_EQ(c->NumCells(), 20) << "CheckConfig applied its padding";
+  EXPECT_EQ(c->CheckConfig(CacheConfig()).code(), Code::kInvalidArgument);  // after Init
+}
+
 // ---- §3/§4 worked examples ------------------------------------------------------------------
 
 TEST(CausalWorkedExample, SlidingWindowOne) {

@@ -17,6 +17,8 @@ class FakeCache : public Cache {
   FakeCache(std::string name, std::vector<std::string>* log) : name_(std::move(name)), log_(log) {}
 
   Code fail_init = Code::kOk;
+  Code fail_check_config = Code::kOk;  // what CheckConfig / CheckInit report
+  Code fail_check_init = Code::kOk;
   Code fail_start = Code::kOk;
   Code fail_remove = Code::kOk;
   Code fail_copy = Code::kOk;
@@ -30,6 +32,8 @@ class FakeCache : public Cache {
     Log("SetConfig(" + std::to_string(c.padding) + ")");
     return Status::Ok();
   }
+  Status CheckConfig(const CacheConfig&) const override { return Result(fail_check_config); }
+  Status CheckInit(DType, int, int, int) const override { return Result(fail_check_init); }
   Status Init(DType, int seqs, int cap, int batch) override {
     Log("Init(" + std::to_string(seqs) + "," + std::to_string(cap) + "," + std::to_string(batch) +
         ")");
@@ -113,11 +117,73 @@ TEST(WrapperCache, ConfigInitSetLayerCloseReachEveryChild) {
                  "c0.SetLayer(7)", "c1.SetLayer(7)", "c0.Close", "c1.Close"}));
 }
 
-TEST(WrapperCache, InitStopsAtTheFirstError) {
+TEST(WrapperCache, ConfigAndInitCheckEveryChildBeforeChangingAny) {
+  // A child that would refuse the arguments is found before any child is configured or
+  // initialized: the wrapper's error changes nothing.
+  Fixture f(3);
+  f.fakes[2]->fail_check_config = Code::kInvalidArgument;
+  f.fakes[1]->fail_check_init = Code::kInvalidArgument;
+  CacheConfig cfg;
+  cfg.padding = 2;
+  EXPECT_EQ(f.wrapper->SetConfig(cfg).code(), Code::kInvalidArgument);
+  EXPECT_EQ(f.wrapper->CheckConfig(cfg).code(), Code::kInvalidArgument);
+  EXPECT_EQ(f.wrapper->Init(DType::kF32, 1, 16, 4).code(), Code::kInvalidArgument);
+  EXPECT_EQ(f.wrapper->CheckInit(DType::kF32, 1, 16, 4).code(), Code::kInvalidArgument);
+  EXPECT_EQ(f.log, Log{});
+}
+
+TEST(WrapperCache, InitFailingInALaterChildClosesEveryChild) {
+  // Arguments every child accepted, then child 1 runs out of memory: child 0 is already
+  // initialized, so every child is closed (a first Init: the state before the call; the children
+  // never disagree about what they hold).
   Fixture f(3);
   f.fakes[1]->fail_init = Code::kOutOfMemory;
   EXPECT_EQ(f.wrapper->Init(DType::kF32, 1, 16, 4).code(), Code::kOutOfMemory);
-  EXPECT_EQ(f.log, (Log{"c0.Init(1,16,4)", "c1.Init(1,16,4)"}));
+  EXPECT_EQ(f.log, (Log{"c0.Init(1,16,4)", "c1.Init(1,16,4)", "c0.Close", "c1.Close", "c2.Close"}));
+}
+
+TEST(WrapperCache, RealChildRefusingTheConfigLeavesTheOthersUnconfigured) {
+  // The encoder cannot pad; the causal child before it must not keep padding 2 (its history
+  // would come back padded to 4 cells instead of 3).
+  std::vector<std::unique_ptr<Cache>> children;
+  children.push_back(NewCausalCache());
+  children.push_back(NewEncoderCache());
+  auto w = NewWrapperCache(std::move(children));
+  CacheConfig cfg;
+  cfg.padding = 2;
+  EXPECT_EQ(w->SetConfig(cfg).code(), Code::kInvalidArgument);
+  ASSERT_TRUE(w->Init(DType::kF32, 1, 16, 4).ok());
+  const int32_t pos[] = {0, 1, 2};
+  const int32_t seq[] = {0, 0, 0};
+  ASSERT_TRUE(w->StartForward(Batch{pos, seq, {}}, false).ok());
+  w->SetLayer(0);
+  w->SetLayerType(0);
+  EXPECT_EQ(w->Get().mask.ne[0], 3);
+}
+
+TEST(WrapperCache, RealChildRefusingInitLeavesTheOthersAsTheyWere) {
+  // SWA with memory 2 below its window 4 is refused for one sequence (for two, memory becomes
+  // window + 1): neither a first Init nor a re-Init may change the causal child before it.
+  std::vector<std::unique_ptr<Cache>> children;
+  children.push_back(NewCausalCache());
+  children.push_back(NewSWAMemCache(4, 2));
+  auto w = NewWrapperCache(std::move(children));
+  auto* causal = static_cast<CausalCache*>(w->Child(0));
+  const int32_t pos[] = {0, 1, 2};
+  const int32_t seq[] = {0, 0, 0};
+  EXPECT_EQ(w->Init(DType::kF32, 1, 16, 4).code(), Code::kInvalidArgument);
+  EXPECT_EQ(causal->StartForward(Batch{pos, seq, {}}, false).code(), Code::kInvalidArgument)
+      << "the causal child was initialized by a failed Init";
+
+  ASSERT_TRUE(w->Init(DType::kF32, 2, 16, 4).ok());
+  ASSERT_TRUE(w->StartForward(Batch{pos, seq, {}}, false).ok());
+  EXPECT_EQ(causal->NumCells(), 32);
+  EXPECT_EQ(w->Init(DType::kF32, 1, 64, 4).code(), Code::kInvalidArgument);
+  EXPECT_EQ(causal->NumCells(), 32);
+  const int32_t next_pos[] = {3};
+  const int32_t next_seq[] = {0};
+  ASSERT_TRUE(causal->StartForward(Batch{next_pos, next_seq, {}}, false).ok());
+  EXPECT_EQ(causal->Get().mask.ne[0], 4) << "the causal child lost its tokens";
 }
 
 TEST(WrapperCache, StartForwardUnwindsEarlierChildrenWhenALaterOneIsFull) {
