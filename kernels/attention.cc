@@ -205,17 +205,27 @@ void PrefillTask(const Ctx& c, int64_t task) {
   const int64_t R = nb * c.G;  // query rows: row r = (b0 + r / G, head h * G + r % G)
   const int64_t rs = c.Dvp + kRowPad;
   // Scratch: q rows [R][Dp], state rows [R][rs], KT [Dp][kTC], V tile [kTC][Dvp], S [R][kTC],
-  // K rows on their way into KT [kKRows][Dp]. Every part is a multiple of 16 floats: each starts
-  // 64-byte aligned (TransposeRowsBy16's register path needs it).
+  // K rows on their way into KT [kKRows][Dp], the granules visible to any of the rows
+  // [granule_words] uint64. Every part is a multiple of 16 floats: each starts 64-byte aligned
+  // (TransposeRowsBy16's register path needs it).
   constexpr int64_t kKRows = kTC < 16 ? kTC : 16;
   const size_t need =
-      static_cast<size_t>(R * c.Dp + R * rs + c.Dp * kTC + kTC * c.Dvp + R * kTC + kKRows * c.Dp);
+      static_cast<size_t>(R * c.Dp + R * rs + c.Dp * kTC + kTC * c.Dvp + R * kTC + kKRows * c.Dp +
+                          attn::Pad(2 * c.granule_words));
   float* qs = attn::ThreadScratch(need, 1);
   float* st = qs + R * c.Dp;
   float* kt = st + R * rs;
   float* vt = kt + c.Dp * kTC;
   float* sc = vt + kTC * c.Dvp;
   float* krows = sc + R * kTC;
+  uint64_t* live = reinterpret_cast<uint64_t*>(krows + kKRows * c.Dp);
+  if (c.visible_granules != nullptr) {
+    for (int64_t w = 0; w < c.granule_words; ++w) live[w] = 0;
+    for (int64_t b = b0; b < b0 + nb; ++b) {
+      const uint64_t* bits = c.visible_granules + b * c.granule_words;
+      for (int64_t w = 0; w < c.granule_words; ++w) live[w] |= bits[w];
+    }
+  }
   const VF vscale = hn::Set(df, c.p.scale);
   int64_t lo = c.L, hi = 0;
   for (int64_t r = 0; r < R; ++r) {
@@ -237,6 +247,11 @@ void PrefillTask(const Ctx& c, int64_t task) {
   const char* kbase = static_cast<const char*>(c.k.data) + static_cast<size_t>(h) * c.k.nb[1];
   for (int64_t t0 = lo; t0 < hi; t0 += kTC) {
     const int64_t n = std::min(kTC, hi - t0);
+    // A tile no row sees would leave every row's state as it is: not even converted.
+    if (c.visible_granules != nullptr &&
+        !attn::AnyBit(live, t0 / attn::kGranuleCells, (t0 + n - 1) / attn::kGranuleCells)) {
+      continue;
+    }
     TransposedKTile<T, kKRows>(df, c, kbase, t0, n, krows, kt, kTC);
     // V tile: vt[j][d].
     for (int64_t j = 0; j < kTC; ++j) {
@@ -450,15 +465,24 @@ void Attention(const TensorView& q, const TensorView& k, const TensorView& v,
   const size_t partial_floats =
       use_decode ? static_cast<size_t>(c.Hkv * c.n_chunks * c.B * c.G * attn::PartialStride(c)) : 0;
   const size_t header_bytes = (static_cast<size_t>(c.B) + 1) * 8 + static_cast<size_t>(c.B) * 8;
-  const size_t total_bytes = header_bytes + span_cap * 8 + partial_floats * 4 + 192;
+  // Prefill with a mask: each row's visible granules, so that a task skips the tiles none of its
+  // rows can see (kvperf's default, 4 sequences: the other sequences' cells inside the rows' box).
+  c.granule_words = use_decode || mask.data == nullptr
+                        ? 0
+                        : (c.L + 64 * attn::kGranuleCells - 1) / (64 * attn::kGranuleCells);
+  const size_t granule_bytes = static_cast<size_t>(c.B * c.granule_words) * 8;
+  const size_t total_bytes = header_bytes + span_cap * 8 + granule_bytes + partial_floats * 4 + 192;
   float* base = attn::ThreadScratch((total_bytes + 3) / 4, 0);
   char* p8 = reinterpret_cast<char*>(base);
   int64_t* span_off = reinterpret_cast<int64_t*>(p8);
   int32_t* row_lo = reinterpret_cast<int32_t*>(p8 + (c.B + 1) * 8);
   int32_t* row_hi = row_lo + c.B;
   int32_t* spans = row_hi + c.B;
+  uint64_t* granules = reinterpret_cast<uint64_t*>(p8 + (header_bytes + span_cap * 8 + 7) / 8 * 8);
   float* partials = reinterpret_cast<float*>(
-      p8 + attn::Pad(static_cast<int64_t>((header_bytes + span_cap * 8 + 63) / 4)) * 4);
+      p8 +
+      attn::Pad(static_cast<int64_t>((header_bytes + span_cap * 8 + granule_bytes + 63) / 4)) * 4);
+  if (c.granule_words > 0) std::memset(granules, 0, granule_bytes);
 
   span_off[0] = 0;
   for (int64_t b = 0; b < c.B; ++b) {
@@ -475,11 +499,14 @@ void Attention(const TensorView& q, const TensorView& k, const TensorView& v,
         }
       }
     } else {
+      uint64_t* row_granules = granules + b * c.granule_words;
       const auto emit = [&](int64_t s0, int64_t s1) {
         if (use_decode) {
           spans[2 * ns] = static_cast<int32_t>(s0);
           spans[2 * ns + 1] = static_cast<int32_t>(s1);
           ++ns;
+        } else {
+          attn::SetBits(row_granules, s0 / attn::kGranuleCells, (s1 - 1) / attn::kGranuleCells);
         }
         lo = std::min<int32_t>(lo, static_cast<int32_t>(s0));
         hi = static_cast<int32_t>(s1);
@@ -516,6 +543,7 @@ void Attention(const TensorView& q, const TensorView& k, const TensorView& v,
   c.span_off = span_off;
   c.row_lo = row_lo;
   c.row_hi = row_hi;
+  c.visible_granules = c.granule_words > 0 ? granules : nullptr;
   c.partials = partials;
   if (!use_decode) {
     // About 128 query rows per task: the K/V tile conversion (and K's transposition) is

@@ -24,6 +24,31 @@ inline constexpr int64_t kRowPad = 16;       // row padding (floats) valid for e
 
 constexpr int64_t Pad(int64_t n) { return (n + kRowPad - 1) / kRowPad * kRowPad; }
 
+// Prefill skips the cell tiles that no row of its query tile can see (other sequences' cells
+// inside the rows' visible box) by a bitmap of visible granules per row (Ctx::visible_granules).
+inline constexpr int64_t kGranuleCells = 16;
+
+// Sets bits [first, last] of words.
+inline void SetBits(uint64_t* words, int64_t first, int64_t last) {
+  for (int64_t w = first / 64; w <= last / 64; ++w) {
+    const int64_t lo = w == first / 64 ? first % 64 : 0;
+    const int64_t hi = w == last / 64 ? last % 64 : 63;
+    const uint64_t upto = hi == 63 ? ~uint64_t{0} : (uint64_t{1} << (hi + 1)) - 1;
+    words[w] |= upto & ~((uint64_t{1} << lo) - 1);
+  }
+}
+
+// Whether any of bits [first, last] of words is set.
+inline bool AnyBit(const uint64_t* words, int64_t first, int64_t last) {
+  for (int64_t w = first / 64; w <= last / 64; ++w) {
+    const int64_t lo = w == first / 64 ? first % 64 : 0;
+    const int64_t hi = w == last / 64 ? last % 64 : 63;
+    const uint64_t upto = hi == 63 ? ~uint64_t{0} : (uint64_t{1} << (hi + 1)) - 1;
+    if ((words[w] & upto & ~((uint64_t{1} << lo) - 1)) != 0) return true;
+  }
+  return false;
+}
+
 struct Ctx {
   TensorView q, k, v, mask, out;
   AttentionKernelParams p;
@@ -40,6 +65,10 @@ struct Ctx {
   // prefill
   const int32_t* row_lo = nullptr;  // first visible cell of row b (L when none)
   const int32_t* row_hi = nullptr;  // last visible cell + 1 (0 when none)
+  // Bit g of row b's granule_words words: a cell of [kGranuleCells * g, + kGranuleCells) is
+  // visible to row b. Null without a mask (every cell visible).
+  const uint64_t* visible_granules = nullptr;
+  int64_t granule_words = 0;
   int64_t q_tile = 1, n_qtiles = 1;
 };
 

@@ -101,7 +101,16 @@ TestHistory MakeHistory(DType dt, int D, int Dv, int Hkv, int L, bool perm, std:
 }
 
 // Mask scenarios built by the mask kernel's reference from a cell table, as the caches do.
-enum class MaskKind { kNone, kCausal, kMultiSeq, kWindow, kChunk, kEmptyRow, kInterleavedBias };
+enum class MaskKind {
+  kNone,
+  kCausal,
+  kMultiSeq,
+  kWindow,
+  kChunk,
+  kEmptyRow,
+  kInterleavedBias,
+  kSequenceRuns
+};
 
 const char* MaskName(MaskKind m) {
   switch (m) {
@@ -119,6 +128,8 @@ const char* MaskName(MaskKind m) {
       return "emptyrow";
     case MaskKind::kInterleavedBias:
       return "interleavedbias";
+    case MaskKind::kSequenceRuns:
+      return "sequenceruns";
   }
   return "?";
 }
@@ -144,9 +155,33 @@ std::vector<uint8_t> BuildInterleavedBiasMask(int L, int B, DType mdt) {
   return out;
 }
 
+// kSequenceRuns: three sequences in runs of 37 cells (not aligned to any tile or granule), the
+// batch's rows in three equal blocks, one per sequence, each row seeing its sequence's cells up to
+// its position (causal); visible cells carry distinct finite biases. A prefill task whose query
+// tile holds one block sees only every third run: it must skip the others and no more.
+std::vector<uint8_t> BuildSequenceRunsMask(int L, int B, DType mdt) {
+  constexpr int kSeqs = 3, kRun = 37;
+  std::vector<int32_t> pos(L), total(kSeqs, 0);
+  for (int j = 0; j < L; ++j) pos[j] = total[(j / kRun) % kSeqs]++;
+  std::vector<uint8_t> out(static_cast<size_t>(L) * B * BlockBytes(mdt));
+  const int per_block = (B + kSeqs - 1) / kSeqs;
+  for (int b = 0; b < B; ++b) {
+    const int s = b / per_block;
+    const int after = std::min(B, (s + 1) * per_block) - 1 - b;  // later rows of the block
+    const int32_t p = total[s] - 1 - after;
+    for (int j = 0; j < L; ++j) {
+      const bool visible = (j / kRun) % kSeqs == s && pos[j] <= p;
+      const float m = visible ? -0.05f * static_cast<float>(j % 11) : -kInf;
+      StoreFromF32(out.data(), mdt, static_cast<size_t>(b) * L + j, m);
+    }
+  }
+  return out;
+}
+
 std::vector<uint8_t> BuildTestMask(MaskKind kind, int L, int B, DType mdt, std::mt19937& rng) {
   if (kind == MaskKind::kNone) return {};
   if (kind == MaskKind::kInterleavedBias) return BuildInterleavedBiasMask(L, B, mdt);
+  if (kind == MaskKind::kSequenceRuns) return BuildSequenceRunsMask(L, B, mdt);
   std::vector<int32_t> pos(L);
   std::vector<uint64_t> bits(L);
   kernels::MaskRules rules;
@@ -879,6 +914,28 @@ TEST_P(AttentionTest, InterleavedSequencesWithBiases) {
         c.mask_dt = mdt;
         CheckCase(c, {{AttentionMode::kDecode, nullptr}, {AttentionMode::kPrefill, nullptr}});
       }
+    }
+  }
+}
+
+// Prefill over several sequences' cells: each task skips the cell tiles that none of its query
+// rows can see (kernels/attention.cc, visible granules). Query tiles are 128 / G rows (at most 64),
+// so B = 3 tiles puts one sequence in each; 1 and 2 threads.
+TEST_P(AttentionTest, PrefillSkipsOnlyTilesNoRowSees) {
+  ThreadPool pool2(2);
+  int mi = 0;
+  for (auto [dt, perm] : DTypeLayouts()) {
+    for (int G : {1, 4}) {
+      Case c;
+      c.dt = dt;
+      c.perm = perm;
+      c.G = G;
+      c.B = 3 * std::min(64, 128 / G);
+      c.L = 37 * 12 + 5 * (mi % 3);
+      c.mask = MaskKind::kSequenceRuns;
+      c.mask_dt = mi % 2 == 0 ? DType::kF32 : DType::kF16;
+      ++mi;
+      CheckCase(c, {{AttentionMode::kPrefill, nullptr}, {AttentionMode::kPrefill, &pool2}});
     }
   }
 }
