@@ -209,9 +209,8 @@ void PrefillTask(const Ctx& c, int64_t task) {
   // [granule_words] uint64. Every part is a multiple of 16 floats: each starts 64-byte aligned
   // (TransposeRowsBy16's register path needs it).
   constexpr int64_t kKRows = kTC < 16 ? kTC : 16;
-  const size_t need =
-      static_cast<size_t>(R * c.Dp + R * rs + c.Dp * kTC + kTC * c.Dvp + R * kTC + kKRows * c.Dp +
-                          attn::Pad(2 * c.granule_words));
+  const size_t need = static_cast<size_t>(R * c.Dp + R * rs + c.Dp * kTC + kTC * c.Dvp + R * kTC +
+                                          kKRows * c.Dp + attn::Pad(2 * c.granule_words));
   float* qs = attn::ThreadScratch(need, 1);
   float* st = qs + R * c.Dp;
   float* kt = st + R * rs;
