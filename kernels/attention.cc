@@ -7,6 +7,9 @@
 // Prefill: task = (KV head, tile of batch rows). K tiles of 4 vectors' worth of cells are converted
 // (and transposed) into f32 once, V tiles likewise, and every query row of the tile (rows x heads
 // of the group) runs register-blocked 4 x 4-vector FMA kernels over them with no horizontal sums.
+// A task walks the cells between its rows' first and last visible cell and skips the tiles none
+// of its rows sees (other sequences' cells), found from a bitmap of visible 16-cell granules per
+// row that Attention() records while it scans the mask.
 //
 // AVX3_DL is compiled here as in attention_decode.cc, so that forcing one target (the tests do)
 // runs both halves on it.
