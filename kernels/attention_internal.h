@@ -28,23 +28,23 @@ constexpr int64_t Pad(int64_t n) { return (n + kRowPad - 1) / kRowPad * kRowPad;
 // inside the rows' visible box) by a bitmap of visible granules per row (Ctx::visible_granules).
 inline constexpr int64_t kGranuleCells = 16;
 
+// The bits of word w that lie in [first, last] (bit i of word w is bit 64 * w + i).
+inline uint64_t BitsOfWordInRange(int64_t w, int64_t first, int64_t last) {
+  const int64_t lo = w == first / 64 ? first % 64 : 0;
+  const int64_t hi = w == last / 64 ? last % 64 : 63;
+  const uint64_t upto = hi == 63 ? ~uint64_t{0} : (uint64_t{1} << (hi + 1)) - 1;
+  return upto & ~((uint64_t{1} << lo) - 1);
+}
+
 // Sets bits [first, last] of words.
 inline void SetBits(uint64_t* words, int64_t first, int64_t last) {
-  for (int64_t w = first / 64; w <= last / 64; ++w) {
-    const int64_t lo = w == first / 64 ? first % 64 : 0;
-    const int64_t hi = w == last / 64 ? last % 64 : 63;
-    const uint64_t upto = hi == 63 ? ~uint64_t{0} : (uint64_t{1} << (hi + 1)) - 1;
-    words[w] |= upto & ~((uint64_t{1} << lo) - 1);
-  }
+  for (int64_t w = first / 64; w <= last / 64; ++w) words[w] |= BitsOfWordInRange(w, first, last);
 }
 
 // Whether any of bits [first, last] of words is set.
 inline bool AnyBit(const uint64_t* words, int64_t first, int64_t last) {
   for (int64_t w = first / 64; w <= last / 64; ++w) {
-    const int64_t lo = w == first / 64 ? first % 64 : 0;
-    const int64_t hi = w == last / 64 ? last % 64 : 63;
-    const uint64_t upto = hi == 63 ? ~uint64_t{0} : (uint64_t{1} << (hi + 1)) - 1;
-    if ((words[w] & upto & ~((uint64_t{1} << lo) - 1)) != 0) return true;
+    if ((words[w] & BitsOfWordInRange(w, first, last)) != 0) return true;
   }
   return false;
 }

@@ -1092,6 +1092,30 @@ TEST(AttendTest, SequenceLayoutView) {
 // pass for K rows [next_from, next_to). Every row a piece reads must have been asked for by the
 // time it runs, none twice, and none outside the task (an asm prefetch names its address as a
 // memory operand: it must stay inside the history).
+// The prefill's granule bitmap: ranges across word boundaries, single bits, whole words.
+TEST(PrefillGranules, SetBitsAndAnyBitAgreeWithABoolArray) {
+  constexpr int kBits = 200;
+  std::mt19937 rng(3);
+  for (int trial = 0; trial < 300; ++trial) {
+    uint64_t words[(kBits + 63) / 64] = {};
+    bool ref[kBits] = {};
+    for (int k = 0; k < 3; ++k) {
+      const int a = static_cast<int>(rng() % kBits), b = static_cast<int>(rng() % kBits);
+      const int first = std::min(a, b), last = std::max(a, b) - (trial % 2) * (b - a) / 2;
+      kernels::attn::SetBits(words, first, std::max(first, last));
+      for (int i = first; i <= std::max(first, last); ++i) ref[i] = true;
+    }
+    for (int first : {0, 1, 62, 63, 64, 65, 127, 128, 150, 199}) {
+      for (int len : {1, 2, 3, 17, 64, 65, 200}) {
+        const int last = std::min(kBits - 1, first + len - 1);
+        bool any = false;
+        for (int i = first; i <= last; ++i) any = any || ref[i];
+        ASSERT_EQ(kernels::attn::AnyBit(words, first, last), any) << first << ".." << last;
+      }
+    }
+  }
+}
+
 TEST(DecodePrefetchPlan, AsksForEveryRowOnceWithinTheTask) {
   struct Piece {
     int64_t s0, n;
