@@ -480,7 +480,7 @@ void Attention(const TensorView& q, const TensorView& k, const TensorView& v,
   int32_t* row_lo = reinterpret_cast<int32_t*>(p8 + (c.B + 1) * 8);
   int32_t* row_hi = row_lo + c.B;
   int32_t* spans = row_hi + c.B;
-  uint64_t* granules = reinterpret_cast<uint64_t*>(p8 + (header_bytes + span_cap * 8 + 7) / 8 * 8);
+  uint64_t* granules = reinterpret_cast<uint64_t*>(p8 + header_bytes + span_cap * 8);  // 8-aligned
   float* partials = reinterpret_cast<float*>(
       p8 +
       attn::Pad(static_cast<int64_t>((header_bytes + span_cap * 8 + granule_bytes + 63) / 4)) * 4);
