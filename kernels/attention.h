@@ -49,20 +49,14 @@
 // reference over the same stored (rounded) K/V the output error is a few times 1e-6 * max|V| for
 // moderate L; the dtype only matters through the stored values, which the reference sees too.
 //
-// Measured (perf/bench_attention, 2-vCPU AVX-512 VMs shared with other jobs; calls of the
-// compared variants alternating in one run): on the AMD EPYC of sessions 4-6, decode f16 at 32768
-// cells reaches 0.65-0.80 of the 1-thread read bandwidth (0.68-0.77 on 2 threads); q8_0
-// is 1.0-1.25x faster per call than f16 there, 1.1-1.45x with integer_v (head_dim 64 / 128),
-// 1.12-1.47x with integer_v and integer_k (session 9: 2-14% above integer_v alone). q8_0
-// is compute-bound: per 16 codes it spends a widen, a convert and a scale multiply on top of the
-// FMAs of every head, and with the history in cache it is ~1.15x slower per cell than f16
-// (integer_v: ~1.05x). On the Intel Xeon of sessions 1-3 (half the bandwidth per core) f16 ran at
-// ~1.0 of the read bandwidth and q8_0 1.27-1.45x faster than f16. Prefill runs at ~0.4-0.72 of the
-// measured FMA peak (0.67-0.72 at head_dim 128 since session 11's register transpose of K). The
-// dispatched AVX-512 decode is ~1.1-1.3x the same code pinned to AVX2. On the Zen 4 EPYC of
-// session 14 (512-bit FMAs at 1 per cycle: decode is bound by arithmetic on 1 thread) f16 reaches
-// 0.49-0.53 of the 1-thread read bandwidth, and q8_0 (24-bit integer K by default) is 1.02-1.45x
-// faster per call than f16, 1.15-1.61x with integer_k.
+// Measured (perf/bench_attention on the 2-vCPU Zen 4 EPYC VM, one 512-bit FMA per cycle, shared
+// with other jobs; compared variants alternate in one run): f16 decode at 32768 cells reaches
+// 0.59-0.65 of the 1-thread read bandwidth (bound by arithmetic there) and 0.9-1.0 of the 2-thread
+// one; q8_0 is 0.95-1.22x as fast per call as f16 (its f32 V pass does f16's FMAs plus its code
+// conversions), 1.06-1.42x with integer_k. Prefill, 512 x 4096 at head_dim 128, runs at ~0.77 of
+// the FMA peak measured in the same run. The dispatched AVX-512 decode is ~1.4x the same code
+// pinned to AVX2. The README's Performance section has the current table, perf/HISTORY.md the
+// earlier machines and runs.
 //
 // Masked cells are never read in decode; prefill reads whole tiles, so K/V of hidden cells must be
 // finite there (the caches zero-fill their storage).

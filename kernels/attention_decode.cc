@@ -8,39 +8,24 @@
 // per head and one pass over the V rows with the heads' accumulators. Each task leaves (m, l, acc)
 // partials; a merge combines the chunks, adds the sink and divides.
 //
-// Where the time goes (session 11, perf record, EPYC Zen 5, 1 thread, q8_0 with integer_k and
-// integer_v, head_dim 64, 32 / 8 heads, 2048 cells, in cache, ~10 ns per cell and KV head against
-// f16's ~8.2): K pass 41% (the integer dots 20%, the transposing reduction 13%, scaling, checking
-// and storing the logits 8%), the V pass 13%, exp and the softmax step 12% (before SoftmaxExp,
-// 2-5% off the call), GatherScales 8%, the prefetch loops 6%. The reduction is already ~1 add per
-// 16 lanes of partial sums; what would reach 1.5x f16 at 32768 cells (q8_0 is compute-bound there,
-// f16 is not) is a ~25% smaller per-cell cost, which no single item here offers.
-// Session 13, with IntDotHeads16 (no reduction), same setup: ~9.6 ns per cell and KV head; K pass
-// ~37% (its dots ~23%, the transpose, scale gather and prefetch requests ~12%), V pass ~23%, the V
-// weights' rounding ~6%, softmax ~13%, GatherScales ~6%; at head_dim 128 (~16-18 ns) K ~38%, V
-// ~26%, weights ~9%. The floor: vpdpbusd, vpdpwssd and vfmadd231ps each issue 2 per cycle here
-// (microbenchmark, 12 independent chains), so with 4 heads per KV head the integer dots need
-// 8 * D / 64 cycles per cell (K and V together; the query's two bytes double the K side), against
-// f16's 16 * D / 64 cycles of FMAs plus its conversions. Measured, those dots are ~1/4 of a q8_0
-// call; the rest (transposes, the V weights' rounding, scale gathers, softmax, stalls on the
-// prefetch instructions and first touches) costs more than f16's work beside its FMAs.
-// Session 15, Zen 4 (one 512-bit FMA per cycle; each 512-bit operation takes two of its four FP
-// pipe slots), 1 thread, in cache, leaving passes out (timing only): f16 head_dim 64 ~13.2 ns per
-// cell and KV head = K pass ~7, V pass ~4.5, the rest (softmax, setup, merge) ~1.7. The V pass
-// runs at its 16 FMAs. The K pass issues the same 16 FMAs on FP0/FP1 and, on the other pipes,
-// 4 conversions (~1.35 cycles each alone), ~7.5 shuffles and ~3.75 adds of the transposing
-// reduction (~15 cycles together, microbenchmarks of each mix): alone it runs at ~24 cycles per
-// cell against 16.6 with the accumulators kept across cells (no reduction). Not kept: two cells
-// per vector (8 dims each, half the reduction; the 128-bit inserts cost more: 7-12% slower),
-// 256-bit accumulators (no faster), the previous group's reduction inside the next group's FMAs
-// (spills), the next piece's K pass interleaved with this piece's V pass (no overlap measured).
-// q8_0 default at head_dim 64 ~13.9 ns: K (24-bit integer dots) ~5.5, V ~5.9, of which
-// GatherScales took ~1.2 (2.8 at head_dim 128; neither the L1 prefetch level nor separating the
-// copies from the converting loads changed it) and the weights p * d ~0.35: AccumQuantGroup now
-// scales the codes instead (GatherScales serves integer_v only).
-// Session 17: f16 K at head_dim <= 64 on AVX-512 takes DotHeadsPairs8, which transposes the rows
-// in pairs of dims instead of reducing the sums (head_dim 64: ~13.5 -> ~12.9 ns per cell and KV
-// head); see there, also for why not at larger head dims.
+// The K pass, by storage type and target:
+// - f16 K on AVX-512, head_dim <= 64, groups of 4 / 8 heads: DotHeadsPairs8 transposes 8 rows in
+//   pairs of dims, so the lanes end up holding the logits (no reduction of partial sums);
+// - q8_0 K on AVX3_DL: IntDotHeads16 transposes 16 rows' codes and sums them with vpdpbusd against
+//   the query rounded to 24 bits (default) or 16 bits (integer_k; IntDotHeads4 for the rest);
+// - otherwise DotHeads4 (kG == 4), DotHeads2 and DotHeads: f32 FMAs per row, then a transposing
+//   reduction of the partial sums (QuadSums).
+// The V pass: AccumPlain (float), AccumQuant (quantized: each row's codes scaled once, shared by
+// the heads), AccumQuantInt (integer_v, opt-in), AccumPermuted (permuted V).
+//
+// Cost, per cell and KV head (Zen 4: one 512-bit FMA per cycle; 1 thread, head_dim 64, 4 query
+// heads per KV head, history in cache): f16 ~12.9 ns, of which the 32 FMAs of the two passes alone
+// need 8.7; the rest is the f16 conversions, the K pass's transposes, the softmax (~1.6) and each
+// piece's setup. q8_0 ~13-14 ns: its integer K dots cost less than f16's FMAs, but its f32 V pass
+// does f16's FMAs plus a widen, convert and scale per 16 codes. So on one thread both dtypes are
+// bound by arithmetic, not by memory, and q8_0 runs about as fast as f16 per call (README, Known
+// gaps). Every measurement behind these choices, and every alternative tried and dropped, is in
+// perf/HISTORY.md ("Kernel notes"); read it before trying to make decode faster.
 //
 // AVX3_DL (AVX-512 with VNNI) is compiled too: the integer V and K passes use its vpdpwssd and
 // vpdpbusd.
@@ -83,36 +68,12 @@ using attn::RequestedRows;
 
 constexpr int64_t kScaleStride = kBlockCells + kRowPad;
 // A cold piece's K pass (see DecodeCells) asks for its K rows about this many bytes ahead, 8 to 48
-// rows. Measured when every K pass did so: f16 K at head_dim 64 (128-byte rows) ran 9-13% faster
-// with 32 rows ahead than with 8 (1 and 2 threads, 32768 cells, calls alternating in one process);
-// at head_dim 128 8 and 16 rows were within noise, and q8_0 rows (68 / 136 bytes) gained up to 5%
-// from 16 -> 32. Earlier: 8 q8_0 rows left the K loop stalled. Session 10 (f16 / q8_0, head_dim
-// 128, 32768 cells, variants alternating in one process): without any software prefetch decode runs
-// at half the speed (the hardware prefetchers alone do not keep up with this access pattern, though
-// a plain sum reaches the read bandwidth); 8 / 16 KiB ahead (limit raised to 256 rows) and
-// prefetcht1 for K, V or both were no faster (t1: 7-23% slower); blocks of 32 to 96 cells instead
-// of 128 changed nothing. One cursor over each stream's lines (no loop per row) saved 1-5% in cache
-// but ran 12-20% slower at 32768 cells when it asked for four K rows' lines before their V rows'
-// lines, or for two lines of each alternately; asking row by row (K row, then V row), as here, was
-// the fastest order measured. Session 13, f16 at 32768 cells, alternating in one process: asking
-// for the next piece's K rows with prefetcht2 (into L2) and again with prefetcht0 in its K pass
-// ran 5-12% slower; adding prefetcht2 requests for the next piece's V rows (and the K rows of the
-// piece after it) during the V pass ran 14-33% slower. More requests cost more than they hide.
-// Session 14, on a Zen 4 EPYC (family 19h: 512-bit FMAs at 1 per cycle, so decode is bound by
-// arithmetic at 1 thread): every request above with prefetcht2 instead of prefetcht0 ran 7-25%
-// faster at 32768 cells (f16 and q8_0, head_dim 64 / 128, 1 and 2 threads; the same in cache).
-// With prefetcht0 the requests stalled (perf: ~13% of a q8_0 call on two prefetch instructions)
-// and the first loads of V rows still missed. Only the requests for the V rows and for the next
-// piece's K rows matter (the cold piece's own K rows with t2 as well: within 1%). PrefetchLevel
-// (kernels/attention.h) picks the hint per CPU; bench_attention's BM_DecodePrefetchLevels
-// measures both on any machine. Session 16, same Zen 4: at head_dim 128 the V pass walks each
-// piece twice (64 dims per walk) and the next piece's K rows were all asked for during the first
-// walk; with K from DRAM and V in cache a call ran ~28 ns per cell and KV head, with V from DRAM
-// and K in cache ~23 (all in cache ~22). The requests outran what the memory delivers, and the
-// next K pass waited on its rows. Spread over both walks (LineCursor::Spread in every V pass),
-// f16 at 32768 cells went from ~31.5 to ~24 ns on 1 thread (0.50 -> 0.61 of the read bandwidth)
-// and from 0.48 to 0.90 on 2; asking for half of those rows during the K pass instead did as
-// well at head_dim 128 and was 5% slower at 64.
+// rows. Software prefetch is what keeps one core's memory busy here: without it decode ran at half
+// the speed (the hardware prefetchers alone do not keep up with these streams, though a plain sum
+// reaches the read bandwidth), and more requests than DecodeCells makes cost more than they hide.
+// The hint (prefetcht0 / prefetcht2) is picked per CPU: PrefetchLevel (kernels/attention.h);
+// bench_attention's BM_DecodePrefetchLevels measures both. The distances, hints, block sizes and
+// request orders that were measured are in perf/HISTORY.md ("Kernel notes").
 constexpr int64_t kPrefetchBytes = 4096;
 
 // One batch row's query heads of a KV head's group: f32 pre-scaled rows [G][Dp], and for the
