@@ -2,8 +2,13 @@
 #include "core/attend.h"
 
 #include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <utility>
 
+#include "hwy/aligned_allocator.h"
 #include "kernels/attention.h"
+#include "kernels/convert.h"
 
 namespace kv {
 namespace {
@@ -39,8 +44,6 @@ Status Validate(const TensorView& q, const History& h, const AttentionParams& pa
                          static_cast<long long>(Hq), static_cast<long long>(Hkv));
   }
   if (!HasPackedRows(k)) return Invalid("k rows must be packed along dim 0");
-  if (v.dtype != k.dtype)
-    return Status::Error(Code::kNotSupported, "Attend: K and V dtypes differ");
   const bool fits_plain = v.ne[1] == Hkv && v.ne[2] == L;
   const bool fits_perm = v.ne[0] == L && v.ne[2] == Hkv;
   if (!fits_plain && !fits_perm) {
@@ -58,7 +61,8 @@ Status Validate(const TensorView& q, const History& h, const AttentionParams& pa
     return Status::Error(Code::kNotSupported, "Attend: head_dim above %lld",
                          static_cast<long long>(kernels::kAttentionMaxHeadDim));
   }
-  if (IsQuantized(k.dtype) && (D % kQuantBlockElems != 0 || Dv % kQuantBlockElems != 0)) {
+  if ((IsQuantized(k.dtype) && D % kQuantBlockElems != 0) ||
+      (IsQuantized(v.dtype) && Dv % kQuantBlockElems != 0)) {
     return Invalid("quantized K/V need head dims that are multiples of 32");
   }
   if (out->ne[0] != Dv || out->ne[1] != B || out->ne[2] != Hq) {
@@ -76,6 +80,44 @@ Status Validate(const TensorView& q, const History& h, const AttentionParams& pa
   if (!std::isfinite(params.scale)) return Invalid("scale must be finite");
   if (!std::isfinite(params.softcap) || params.softcap < 0) return Invalid("softcap must be >= 0");
   *v_permuted = perm;
+  return Status::Ok();
+}
+
+// K and V stored in different dtypes (the encoder keeps what it is given) meet kernels that read
+// one dtype for both: each of the two that is not f32 is widened to a contiguous f32 copy first.
+// Widening is exact for every dtype and is how the kernels and the reference read the values
+// anyway, so the result is the f32 kernel's over the same numbers. It costs one more pass over the
+// converted views per call; the copy lives in a per-thread buffer that grows to the largest shape
+// it has seen, so a steady state allocates nothing. Same-dtype histories never come here.
+Status WidenMixedToF32(const History& h, TensorView* k, TensorView* v) {
+  thread_local hwy::AlignedFreeUniquePtr<float[]> buf;
+  thread_local size_t cap = 0;
+  const size_t k_floats = h.k.dtype == DType::kF32 ? 0 : static_cast<size_t>(NumElements(h.k));
+  const size_t v_floats = h.v.dtype == DType::kF32 ? 0 : static_cast<size_t>(NumElements(h.v));
+  // The K copy ends on a 64-byte boundary so that V's rows start aligned too.
+  const size_t k_padded = (k_floats + 15) / 16 * 16;
+  const size_t need = k_padded + v_floats;
+  if (cap < need) {
+    auto grown = hwy::AllocateAligned<float>(need);
+    if (!grown) {
+      return Status::Error(Code::kOutOfMemory,
+                           "Attend: no memory for the f32 copy of K / V of different dtypes");
+    }
+    buf = std::move(grown);
+    cap = need;
+  }
+  *k = h.k;
+  *v = h.v;
+  if (k_floats > 0) {
+    kernels::ViewToF32(h.k, buf.get());
+    *k = MakeView(buf.get(), DType::kF32, {h.k.ne[0], h.k.ne[1], h.k.ne[2]});
+  }
+  if (v_floats > 0) {
+    float* dst = buf.get() + k_padded;
+    kernels::ViewToF32(h.v, dst);
+    // ViewToF32 keeps the view's dimension order: [Dv, Hkv, L] stays plain, [L, Dv, Hkv] permuted.
+    *v = MakeView(dst, DType::kF32, {h.v.ne[0], h.v.ne[1], h.v.ne[2]});
+  }
   return Status::Ok();
 }
 
@@ -97,7 +139,9 @@ Status Attend(const TensorView& q, const History& history, const AttentionParams
   pf.run = parallel.run;
   pf.user = parallel.user;
   pf.num_threads = parallel.num_threads;
-  kernels::Attention(q, history.k, history.v, history.mask, kp, pf, out);
+  TensorView k = history.k, v = history.v;
+  if (k.dtype != v.dtype && k.ne[2] > 0) KV_RETURN_IF_ERROR(WidenMixedToF32(history, &k, &v));
+  kernels::Attention(q, k, v, history.mask, kp, pf, out);
   return Status::Ok();
 }
 

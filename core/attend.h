@@ -47,11 +47,14 @@ struct AttentionParams {
 //   k   [D, Hkv, L], rows packed along dim 0, nb[1] (head stride) and nb[2] (cell stride) free. A
 //       growing/rotating cache's [D, T, H, B] view is passed per batch entry as ne = {D, H, T},
 //       nb = {nb[0], head stride, token stride}.
-//   v   same dtype as k (else kNotSupported); plain [Dv, Hkv, L] like k, or permuted [L, Dv, Hkv]
-//       with cells packed (float dtypes only). When the shape fits both (L == Hkv == Dv), v is
-//       plain iff its strides equal k's.
+//   v   plain [Dv, Hkv, L] like k, or permuted [L, Dv, Hkv] with cells packed (float dtypes
+//       only). When the shape fits both (L == Hkv == Dv), v is plain iff its strides equal k's.
+//       Any dtype: the kernels read K and V of one dtype directly; when they differ (an encoder
+//       stores what it is given), each that is not f32 is widened exactly to an f32 copy first
+//       (one more pass over it per call, in a per-thread buffer that grows to the largest shape
+//       seen; kOutOfMemory if it cannot).
 //   mask [L, B] f32 or f16, dim 0 packed, or data == nullptr (all visible).
-//   D, Dv <= 512; quantized: D and Dv multiples of 32. L == 0 gives zeros.
+//   D, Dv <= 512; a quantized K needs D, a quantized V Dv, a multiple of 32. L == 0 gives zeros.
 // This overload runs on the calling thread only.
 Status Attend(const TensorView& q, const History& history, const AttentionParams& params,
               TensorView* out);

@@ -1,9 +1,12 @@
 // Encoder cache (SEMANTICS.md section 9): stored once as given, read many times, no mask.
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
 
 #include "core/arena.h"
+#include "core/attend.h"
 #include "core/cache.h"
 #include "gtest/gtest.h"
 #include "test_allocator.h"
@@ -122,6 +125,49 @@ TEST(EncoderCache, HalfPrecisionInputKeepsItsDtype) {
   EXPECT_EQ(std::memcmp(h.v.data, vb.data(), 16), 0);
   c->SetLayer(0);  // other layers hold nothing
   EXPECT_EQ(c->Get().k.data, nullptr);
+}
+
+// What the encoder stores as given may be K and V of different dtypes: Attend reads them (it
+// widens to f32 first) and gives the plain softmax over the stored values.
+TEST(EncoderCache, MixedDTypeHistoryIsAttended) {
+  constexpr int D = 4, Hkv = 2, N = 5, Hq = 4;
+  auto c = Ready();
+  TestBatch b = Tokens(0, 1, 0, {0});
+  ASSERT_TRUE(c->StartForward(b.Get(), false).ok());
+  std::vector<uint16_t> kh(D * Hkv * N), vb(D * Hkv * N);
+  for (size_t i = 0; i < kh.size(); ++i) {
+    kh[i] = F32ToF16(0.125f * static_cast<float>(i % 7) - 0.3f);
+    vb[i] = F32ToBF16(0.25f * static_cast<float>(i % 5) - 0.5f);
+  }
+  c->SetLayer(1);
+  ASSERT_TRUE(c->Put(MakeView(kh.data(), DType::kF16, {D, Hkv, N}),
+                     MakeView(vb.data(), DType::kBF16, {D, Hkv, N}))
+                  .ok());
+  const History h = c->Get();
+  ASSERT_EQ(h.k.dtype, DType::kF16);
+  ASSERT_EQ(h.v.dtype, DType::kBF16);
+  std::vector<float> q(D * Hq), out(D * Hq, -1.0f);
+  for (size_t i = 0; i < q.size(); ++i) q[i] = 0.3f * static_cast<float>(i % 3) - 0.2f;
+  TensorView ov = MakeView(out.data(), DType::kF32, {D, 1, Hq});
+  ASSERT_TRUE(Attend(MakeView(q.data(), DType::kF32, {D, 1, Hq}), h, AttentionParams{}, &ov).ok());
+  const std::vector<float> k = ReadF32(h.k), v = ReadF32(h.v);  // [cell][head][d]
+  for (int hq = 0; hq < Hq; ++hq) {
+    const int kvh = hq / (Hq / Hkv);
+    double logit[N], mx = -1e300, sum = 0;
+    for (int j = 0; j < N; ++j) {
+      logit[j] = 0;
+      for (int d = 0; d < D; ++d)
+        logit[j] += 0.5 * q[hq * D + d] * k[(static_cast<size_t>(j) * Hkv + kvh) * D + d];
+      mx = std::max(mx, logit[j]);
+    }
+    for (int j = 0; j < N; ++j) sum += std::exp(logit[j] - mx);
+    for (int d = 0; d < D; ++d) {
+      double want = 0;
+      for (int j = 0; j < N; ++j)
+        want += std::exp(logit[j] - mx) / sum * v[(static_cast<size_t>(j) * Hkv + kvh) * D + d];
+      EXPECT_NEAR(out[hq * D + d], want, 1e-6) << "head " << hq << " dim " << d;
+    }
+  }
 }
 
 TEST(EncoderCache, StridedInputIsCompacted) {
