@@ -14,7 +14,8 @@
 //                     size; data == nullptr: every cell visible. 0 / -inf in the caches; any finite
 //                     value is added to the logit, -inf hides the cell.
 //   out  [Dv, B, Hq]  f32, nb[0] == 4.
-// K and V share one dtype. Query head h reads KV head h / (Hq / Hkv).
+// K and V share one dtype (Attend, core/attend.cc, widens a mixed pair to f32 before calling
+// here). Query head h reads KV head h / (Hq / Hkv).
 // Non-finite values: a visible cell with a NaN or +inf logit makes its (row, head) output NaN in
 // every path (decode, its merge, prefill, the integer passes, the reference); hidden cells are
 // never looked at.
