@@ -89,11 +89,12 @@ Status Validate(const TensorView& q, const History& h, const AttentionParams& pa
 // anyway, so the result is the f32 kernel's over the same numbers. It costs one more pass over the
 // converted views per call; the copy lives in a per-thread buffer that grows to the largest shape
 // it has seen, so a steady state allocates nothing. Same-dtype histories never come here.
-Status WidenMixedToF32(const History& h, TensorView* k, TensorView* v) {
+// k and v are replaced by views of the copy where they were widened.
+Status WidenMixedToF32(TensorView* k, TensorView* v) {
   thread_local hwy::AlignedFreeUniquePtr<float[]> buf;
   thread_local size_t cap = 0;
-  const size_t k_floats = h.k.dtype == DType::kF32 ? 0 : static_cast<size_t>(NumElements(h.k));
-  const size_t v_floats = h.v.dtype == DType::kF32 ? 0 : static_cast<size_t>(NumElements(h.v));
+  const size_t k_floats = k->dtype == DType::kF32 ? 0 : static_cast<size_t>(NumElements(*k));
+  const size_t v_floats = v->dtype == DType::kF32 ? 0 : static_cast<size_t>(NumElements(*v));
   // The K copy ends on a 64-byte boundary so that V's rows start aligned too.
   const size_t k_padded = (k_floats + 15) / 16 * 16;
   const size_t need = k_padded + v_floats;
@@ -106,18 +107,13 @@ Status WidenMixedToF32(const History& h, TensorView* k, TensorView* v) {
     buf = std::move(grown);
     cap = need;
   }
-  *k = h.k;
-  *v = h.v;
-  if (k_floats > 0) {
-    kernels::ViewToF32(h.k, buf.get());
-    *k = MakeView(buf.get(), DType::kF32, {h.k.ne[0], h.k.ne[1], h.k.ne[2]});
-  }
-  if (v_floats > 0) {
-    float* dst = buf.get() + k_padded;
-    kernels::ViewToF32(h.v, dst);
-    // ViewToF32 keeps the view's dimension order: [Dv, Hkv, L] stays plain, [L, Dv, Hkv] permuted.
-    *v = MakeView(dst, DType::kF32, {h.v.ne[0], h.v.ne[1], h.v.ne[2]});
-  }
+  // ViewToF32 keeps a view's dimension order: [Dv, Hkv, L] stays plain, [L, Dv, Hkv] permuted.
+  const auto widen = [](TensorView* t, float* dst) {
+    kernels::ViewToF32(*t, dst);
+    *t = MakeView(dst, DType::kF32, {t->ne[0], t->ne[1], t->ne[2]});
+  };
+  if (k_floats > 0) widen(k, buf.get());
+  if (v_floats > 0) widen(v, buf.get() + k_padded);
   return Status::Ok();
 }
 
@@ -140,7 +136,7 @@ Status Attend(const TensorView& q, const History& history, const AttentionParams
   pf.user = parallel.user;
   pf.num_threads = parallel.num_threads;
   TensorView k = history.k, v = history.v;
-  if (k.dtype != v.dtype && k.ne[2] > 0) KV_RETURN_IF_ERROR(WidenMixedToF32(history, &k, &v));
+  if (k.dtype != v.dtype && k.ne[2] > 0) KV_RETURN_IF_ERROR(WidenMixedToF32(&k, &v));
   kernels::Attention(q, k, v, history.mask, kp, pf, out);
   return Status::Ok();
 }
