@@ -137,7 +137,9 @@ Status Attend(const TensorView& q, const History& history, const AttentionParams
   pf.num_threads = parallel.num_threads;
   TensorView k = history.k, v = history.v;
   if (k.dtype != v.dtype && k.ne[2] > 0) KV_RETURN_IF_ERROR(WidenMixedToF32(&k, &v));
-  kernels::Attention(q, k, v, history.mask, kp, pf, out);
+  if (!kernels::Attention(q, k, v, history.mask, kp, pf, out)) {
+    return Status::Error(Code::kOutOfMemory, "Attend: no memory for the kernels' scratch buffers");
+  }
   return Status::Ok();
 }
 

@@ -6,6 +6,10 @@
 // threads at once: its Run calls are serialized (safe, but one job at a time; give each decoding
 // thread its own pool to run them side by side). A caller's ParallelFor must be safe to call from
 // every thread that passes it.
+//
+// Memory: the kernels' per-thread scratch grows to the largest shape a thread has served and is
+// kept, so steady-state decode allocates nothing. When it cannot grow, Attend returns kOutOfMemory
+// (out then holds unspecified values; nothing else changes) and the next call may try again.
 #ifndef KVCACHE_CORE_ATTEND_H_
 #define KVCACHE_CORE_ATTEND_H_
 

@@ -215,6 +215,7 @@ void PrefillTask(const Ctx& c, int64_t task) {
   const size_t need = static_cast<size_t>(R * c.Dp + R * rs + c.Dp * kTC + kTC * c.Dvp + R * kTC +
                                           kKRows * c.Dp + attn::Pad(2 * c.granule_words));
   float* qs = attn::ThreadScratch(need, 1);
+  if (qs == nullptr) return attn::ScratchFailed(c);
   float* st = qs + R * c.Dp;
   float* kt = st + R * rs;
   float* vt = kt + c.Dp * kTC;
@@ -405,10 +406,12 @@ PrefetchLevel ResolvePrefetchLevel(PrefetchLevel requested) {
   return resolved;
 }
 
-void Attention(const TensorView& q, const TensorView& k, const TensorView& v,
+bool Attention(const TensorView& q, const TensorView& k, const TensorView& v,
                const TensorView& mask, const AttentionKernelParams& params, const ParallelForFn& pf,
                TensorView* out) {
+  std::atomic<bool> scratch_failed{false};
   attn::Ctx c;
+  c.scratch_failed = &scratch_failed;
   c.q = q;
   c.k = k;
   c.v = v;
@@ -475,6 +478,7 @@ void Attention(const TensorView& q, const TensorView& k, const TensorView& v,
   const size_t granule_bytes = static_cast<size_t>(c.B * c.granule_words) * 8;
   const size_t total_bytes = header_bytes + span_cap * 8 + granule_bytes + partial_floats * 4 + 192;
   float* base = attn::ThreadScratch((total_bytes + 3) / 4, 0);
+  if (base == nullptr) return false;
   char* p8 = reinterpret_cast<char*>(base);
   int64_t* span_off = reinterpret_cast<int64_t*>(p8);
   int32_t* row_lo = reinterpret_cast<int32_t*>(p8 + (c.B + 1) * 8);
@@ -558,6 +562,7 @@ void Attention(const TensorView& q, const TensorView& k, const TensorView& v,
   } else {
     HWY_DYNAMIC_DISPATCH(PrefillImpl)(c, pf);
   }
+  return !scratch_failed.load(std::memory_order_relaxed);  // the tasks have all returned
 }
 
 }  // namespace kv::kernels

@@ -126,9 +126,12 @@ struct ParallelForFn {
 
 // Preconditions (checked by core/attend.cc): shapes as above, D <= kAttentionMaxHeadDim, quantized
 // D and Dv multiples of 32, Hq % Hkv == 0, K and V of one dtype, permuted V not quantized.
-void Attention(const TensorView& q, const TensorView& k, const TensorView& v,
-               const TensorView& mask, const AttentionKernelParams& params, const ParallelForFn& pf,
-               TensorView* out);
+// Returns false when a per-thread scratch buffer could not grow (the heap is exhausted): the call
+// stops early and *out holds unspecified values. Scratch only grows, so a caller that has run the
+// largest shape once on each thread (a reserve pass) never sees this.
+[[nodiscard]] bool Attention(const TensorView& q, const TensorView& k, const TensorView& v,
+                             const TensorView& mask, const AttentionKernelParams& params,
+                             const ParallelForFn& pf, TensorView* out);
 
 // Scalar reference in double precision (single-threaded, no tiling). Same contract.
 void AttentionRef(const TensorView& q, const TensorView& k, const TensorView& v,

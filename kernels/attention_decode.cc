@@ -1376,13 +1376,15 @@ HWY_INLINE void CopyRow(char* HWY_RESTRICT dst, const char* HWY_RESTRICT src, si
 // runs of one-cell spans, each paying a softmax step and a pass over the accumulators. Plain V
 // only (a permuted V row is one element per dimension line).
 template <DType T>
-HWY_NOINLINE void DecodeGathered(const Ctx& c, int64_t h, int64_t b, const int32_t* cells,
-                                 int64_t n, const QRows& qs, float* rows) {
+[[nodiscard]] HWY_NOINLINE bool DecodeGathered(const Ctx& c, int64_t h, int64_t b,
+                                               const int32_t* cells, int64_t n, const QRows& qs,
+                                               float* rows) {
   const size_t krb = RowBytes(T, c.D), vrb = RowBytes(T, c.Dv);
   const size_t kbytes = (static_cast<size_t>(n) * krb + 63) / 64 * 64;
   const size_t vbytes = (static_cast<size_t>(n) * vrb + 63) / 64 * 64;
   char* kbuf = reinterpret_cast<char*>(
       attn::ThreadScratch((kbytes + vbytes) / 4 + static_cast<size_t>(attn::Pad(n)), 2));
+  if (kbuf == nullptr) return false;
   char* vbuf = kbuf + kbytes;
   float* mbuf = reinterpret_cast<float*>(vbuf + vbytes);
   const char* ksrc = static_cast<const char*>(c.k.data) + static_cast<size_t>(h) * c.k.nb[1];
@@ -1407,6 +1409,7 @@ HWY_NOINLINE void DecodeGathered(const Ctx& c, int64_t h, int64_t b, const int32
   g.mask.nb[1] = 0;
   DecodeCellsAllHeads<T, false>(g, 0, b, 0, n, qs, rows,
                                 KPrefetch{n, n, 0, 0});  // the copy is in cache
+  return true;
 }
 
 template <DType T, bool kPermV>
@@ -1450,6 +1453,7 @@ void DecodeHeadChunk(const Ctx& c, int64_t h, int64_t chunk) {
   const size_t pair_floats = pairs ? static_cast<size_t>(c.B * (c.G / 4) * pattern_floats) : 0;
   const size_t step_floats = any_int ? static_cast<size_t>(c.B * c.G) : 0;
   float* scratch = attn::ThreadScratch(pair_floats + qf_floats + qi_floats + step_floats, 1);
+  if (scratch == nullptr) return attn::ScratchFailed(c);
   float* qpairs = pairs ? scratch : nullptr;
   float* qs = scratch + pair_floats;
   int16_t* qi = integer_k ? reinterpret_cast<int16_t*>(qs + qf_floats) : nullptr;
@@ -1540,7 +1544,9 @@ void DecodeHeadChunk(const Ctx& c, int64_t h, int64_t chunk) {
         if (short_spans == 1) {  // contiguous: nothing to gain from a copy
           piece(b, short_cells[0], n_short);
         } else if (short_spans > 1) {
-          DecodeGathered<T>(c, h, b, short_cells, n_short, q_row(b), part + b * c.G * rs);
+          if (!DecodeGathered<T>(c, h, b, short_cells, n_short, q_row(b), part + b * c.G * rs)) {
+            return attn::ScratchFailed(c);
+          }
         }
       }
     }
@@ -1553,7 +1559,10 @@ template <DType T, bool kPermV>
 void DecodeTask(const Ctx& c, int64_t task) {
   const int64_t h0 = task / c.n_chunks * c.task_heads;
   const int64_t h1 = std::min(c.Hkv, h0 + c.task_heads);
-  for (int64_t h = h0; h < h1; ++h) DecodeHeadChunk<T, kPermV>(c, h, task % c.n_chunks);
+  for (int64_t h = h0; h < h1; ++h) {
+    if (c.scratch_failed->load(std::memory_order_relaxed)) return;  // the call fails anyway
+    DecodeHeadChunk<T, kPermV>(c, h, task % c.n_chunks);
+  }
 }
 
 // Combines the chunks' partials of every (b, query head), adds the sink, divides, writes out.
@@ -1610,7 +1619,7 @@ void RunDecodeTyped(const Ctx& c, const ParallelForFn& pf) {
   attn::RunTasks(
       c, (c.Hkv + c.task_heads - 1) / c.task_heads * c.n_chunks, pf,
       [](void* ctx, int64_t i) { DecodeTask<T, kPermV>(*static_cast<const Ctx*>(ctx), i); });
-  DecodeMerge(c);
+  if (!c.scratch_failed->load(std::memory_order_relaxed)) DecodeMerge(c);
 }
 
 void DecodeImpl(const Ctx& c, const ParallelForFn& pf) {

@@ -5,6 +5,7 @@
 #define KVCACHE_KERNELS_ATTENTION_INTERNAL_H_
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -70,7 +71,15 @@ struct Ctx {
   const uint64_t* visible_granules = nullptr;
   int64_t granule_words = 0;
   int64_t q_tile = 1, n_qtiles = 1;
+  // Set by a task whose ThreadScratch failed (it returns at once, its results unwritten); Attention
+  // reads it after every task has returned.
+  std::atomic<bool>* scratch_failed = nullptr;
 };
+
+// Records that a task could not get its scratch: Attention will return false.
+inline void ScratchFailed(const Ctx& c) {
+  c.scratch_failed->store(true, std::memory_order_relaxed);
+}
 
 inline int64_t PartialStride(const Ctx& c) { return c.Dvp + kRowPad; }
 
@@ -173,14 +182,17 @@ struct LineCursor {
 // with a 256 KiB floor: the visible-span table needs B * (L / 2 + 1) entries, so growing to the
 // exact size reallocated on every other decode step as the history lengthened. With the floor a
 // single decoding sequence never reallocates below ~128K cells, and beyond that it reallocates
-// O(log L) times.
-inline float* ThreadScratch(size_t floats, int which) {
+// O(log L) times. Null when the buffer cannot grow: the old buffer and its size are kept, and the
+// caller gives up (ScratchFailed), so Attention reports it instead of writing through null.
+[[nodiscard]] inline float* ThreadScratch(size_t floats, int which) {
   constexpr size_t kMinFloats = size_t{1} << 16;
   thread_local hwy::AlignedFreeUniquePtr<float[]> buf[3];
   thread_local size_t cap[3] = {0, 0, 0};
   if (cap[which] < floats) {
     const size_t grown = std::max({floats, 2 * cap[which], kMinFloats});
-    buf[which] = hwy::AllocateAligned<float>(grown);
+    auto fresh = hwy::AllocateAligned<float>(grown);
+    if (!fresh) return nullptr;
+    buf[which] = std::move(fresh);
     cap[which] = grown;
   }
   return buf[which].get();

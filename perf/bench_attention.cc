@@ -13,6 +13,8 @@
 #include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <ctime>
 #include <map>
@@ -308,8 +310,11 @@ void BM_DecodePrefetchLevels(benchmark::State& state) {
   }
   const auto call = [&](int t, int l) {
     const auto t0 = Clock::now();
-    kv::kernels::Attention(s[t].qv, s[t].hist.k, s[t].hist.v, s[t].hist.mask, kp[t][l], pf,
-                           &s[t].ov);
+    if (!kv::kernels::Attention(s[t].qv, s[t].hist.k, s[t].hist.v, s[t].hist.mask, kp[t][l], pf,
+                                &s[t].ov)) {
+      std::fprintf(stderr, "bench_attention: out of memory in Attention's scratch\n");
+      std::abort();
+    }
     return Seconds(t0, Clock::now());
   };
   for (int t = 0; t < 2; ++t)

@@ -367,7 +367,7 @@ void CheckCase(const Case& c, std::initializer_list<Run> given) {
     kp.integer_k = run.integer_k;
     kp.float_k = run.float_k;
     std::fill(out.begin(), out.end(), 12345.0f);
-    kernels::Attention(qv, h.k, h.v, mv, kp, pf, &ov);
+    EXPECT_TRUE(kernels::Attention(qv, h.k, h.v, mv, kp, pf, &ov));
     double maxerr = 0;
     for (size_t i = 0; i < out.size(); ++i)
       maxerr = std::max(maxerr, static_cast<double>(std::fabs(out[i] - ref[i])));
@@ -560,7 +560,7 @@ TEST_P(AttentionTest, PrefetchLevelChangesNoBit) {
           kp.prefetch = levels[i];
           out[i].assign(static_cast<size_t>(D) * s.B * Hq, 12345.0f);
           TensorView ov = MakeView(out[i].data(), DType::kF32, {D, s.B, Hq});
-          kernels::Attention(qv, h.k, h.v, mv, kp, KernelParallelFor(pool), &ov);
+          EXPECT_TRUE(kernels::Attention(qv, h.k, h.v, mv, kp, KernelParallelFor(pool), &ov));
         }
         ASSERT_NE(out[0][0], 12345.0f);
         EXPECT_EQ(0, std::memcmp(out[0].data(), out[1].data(), out[0].size() * sizeof(float)));
@@ -651,9 +651,9 @@ TEST_P(AttentionTest, IntegerVTinyValues) {
     kernels::AttentionKernelParams kp;
     kp.scale = 0.125f;
     kp.mode = AttentionMode::kDecode;
-    kernels::Attention(sd.qv, h.k, h.v, TensorView{}, kp, {}, &of);
+    EXPECT_TRUE(kernels::Attention(sd.qv, h.k, h.v, TensorView{}, kp, {}, &of));
     kp.integer_v = true;
-    kernels::Attention(sd.qv, h.k, h.v, TensorView{}, kp, {}, &oi);
+    EXPECT_TRUE(kernels::Attention(sd.qv, h.k, h.v, TensorView{}, kp, {}, &oi));
     double maxerr = 0;
     for (size_t i = 0; i < out_f.size(); ++i) {
       ASSERT_TRUE(std::isfinite(out_i[i])) << i;
@@ -711,7 +711,7 @@ TEST_P(AttentionTest, IntegerKAgainstTheF32Pass) {
       std::vector<float> out_f;
       TensorView of = sd.Out(&out_f);
       kp.float_k = true;
-      kernels::Attention(sd.qv, h.k, h.v, TensorView{}, kp, {}, &of);
+      EXPECT_TRUE(kernels::Attention(sd.qv, h.k, h.v, TensorView{}, kp, {}, &of));
       kp.float_k = false;
       for (const bool bits16 : {true, false}) {  // integer_k, then the default 24-bit pass
         SCOPED_TRACE(bits16 ? "integer_k" : "24-bit default");
@@ -721,7 +721,7 @@ TEST_P(AttentionTest, IntegerKAgainstTheF32Pass) {
         std::vector<float> out_i;
         TensorView oi = sd.Out(&out_i);
         kp.integer_k = bits16;
-        kernels::Attention(sd.qv, h.k, h.v, TensorView{}, kp, {}, &oi);
+        EXPECT_TRUE(kernels::Attention(sd.qv, h.k, h.v, TensorView{}, kp, {}, &oi));
         double maxerr = 0;
         int non_finite = 0;
         for (size_t i = 0; i < out_f.size(); ++i) {
@@ -771,14 +771,14 @@ TEST_P(AttentionTest, IntegerKNonFiniteQuery) {
       std::vector<float> out_f;
       TensorView of = sd.Out(&out_f);
       kp.float_k = true;
-      kernels::Attention(sd.qv, h.k, h.v, TensorView{}, kp, {}, &of);
+      EXPECT_TRUE(kernels::Attention(sd.qv, h.k, h.v, TensorView{}, kp, {}, &of));
       kp.float_k = false;
       for (const bool bits16 : {true, false}) {  // integer_k, then the default 24-bit pass
         SCOPED_TRACE(bits16 ? "integer_k" : "24-bit default");
         std::vector<float> out_i;
         TensorView oi = sd.Out(&out_i);
         kp.integer_k = bits16;
-        kernels::Attention(sd.qv, h.k, h.v, TensorView{}, kp, {}, &oi);
+        EXPECT_TRUE(kernels::Attention(sd.qv, h.k, h.v, TensorView{}, kp, {}, &oi));
         const size_t bad0 = static_cast<size_t>(D) * (kBadRow * sd.Hq + kBadHead);
         for (size_t i = bad0; i < bad0 + D; ++i) {
           ASSERT_TRUE(std::memcmp(&out_i[i], &out_f[i], 4) == 0 ||
@@ -845,7 +845,7 @@ TEST_P(AttentionTest, NonFiniteLogitPoisonsItsRow) {
         kp.mode = run == 2 ? AttentionMode::kPrefill : AttentionMode::kDecode;
         kp.integer_k = kp.integer_v = run >= 3;
         std::fill(out.begin(), out.end(), 12345.0f);
-        kernels::Attention(qv, h.k, h.v, mv, kp, pf, &ov);
+        EXPECT_TRUE(kernels::Attention(qv, h.k, h.v, mv, kp, pf, &ov));
         for (size_t i = 0; i < out.size(); ++i) {
           ASSERT_EQ(std::isnan(out[i]), poisoned(i)) << i << " out=" << out[i];
           if (!poisoned(i)) {
@@ -886,7 +886,7 @@ TEST_P(AttentionTest, NonFiniteStoredVPropagates) {
       SCOPED_TRACE("run " + std::to_string(run));
       kp.mode = run == 1 ? AttentionMode::kPrefill : AttentionMode::kDecode;
       kp.integer_v = run == 2;
-      kernels::Attention(sd.qv, h.k, h.v, TensorView{}, kp, {}, &ov);
+      EXPECT_TRUE(kernels::Attention(sd.qv, h.k, h.v, TensorView{}, kp, {}, &ov));
       for (size_t i = 0; i < out.size(); ++i) {
         ASSERT_EQ(std::isnan(out[i]), std::isnan(ref[i])) << i << " out=" << out[i];
         ASSERT_EQ(std::isinf(out[i]), std::isinf(ref[i])) << i << " out=" << out[i];
@@ -957,8 +957,8 @@ TEST_P(AttentionTest, FullyMaskedRowsAreZero) {
         kp.v_permuted = perm;
         kp.mode = mode;
         TensorView ov = MakeView(out.data(), DType::kF32, {64, 2, 4});
-        kernels::Attention(MakeView(q.data(), DType::kF32, {64, 2, 4}), h.k, h.v,
-                           MakeView(mask.data(), DType::kF32, {50, 2}), kp, {}, &ov);
+        EXPECT_TRUE(kernels::Attention(MakeView(q.data(), DType::kF32, {64, 2, 4}), h.k, h.v,
+                                       MakeView(mask.data(), DType::kF32, {50, 2}), kp, {}, &ov));
         for (int hq = 0; hq < 4; ++hq) {
           for (int d = 0; d < 64; ++d) {
             EXPECT_EQ(out[(hq * 2 + 0) * 64 + d], 0.0f);

@@ -2,20 +2,15 @@
 // StartForward + Put + Get + Attend for B = 1 allocate nothing, for every cache kind of the causal
 // family and every storage dtype, with Attend on the calling thread and on a 2-thread pool.
 //
-// How allocations are counted: this executable defines malloc, calloc, realloc, free,
-// aligned_alloc, posix_memalign and memalign itself, forwarding to glibc's __libc_* entry points.
-// The dynamic linker binds every malloc call in the process to these definitions (the library, the
-// C++ runtime's operator new, Highway's aligned allocator, other threads), so the counter sees
-// every heap allocation, not only those made through operator new. Sanitizer builds bring their own
-// malloc; there the tests skip.
+// Allocations are counted by tests/malloc_hooks.cc, which this executable links: it defines malloc
+// and its relatives, so the counter sees every heap allocation in the process. Sanitizer builds
+// bring their own malloc; there the tests skip.
 //
 // Warm-up, as a runtime does it: Init, one reserve pass (StartForward(reserve = true) with the
 // largest batch, then Put, Get and Attend on every layer: it allocates the layers, grows the mask
 // to B x cells and Attend's per-thread scratch to the largest history), then a few ordinary steps.
 // Each pool worker is also made to run one decode-shaped Attend, because a worker's per-thread
 // scratch is created by the first task it happens to take.
-#include <malloc.h>
-
 #include <atomic>
 #include <cstdint>
 #include <cstdlib>
@@ -30,67 +25,7 @@
 #include "decode_driver.h"
 #include "gtest/gtest.h"
 #include "hwy/aligned_allocator.h"
-
-// g++ says a sanitizer is on with __SANITIZE_*__, clang (14) only through __has_feature.
-#if defined(__has_feature)
-#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
-#define KV_SANITIZER_OWNS_MALLOC 1
-#endif
-#endif
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__) || \
-    defined(KV_SANITIZER_OWNS_MALLOC)
-#define KV_COUNT_ALLOCATIONS 0
-#else
-#define KV_COUNT_ALLOCATIONS 1
-#endif
-
-namespace {
-std::atomic<bool> g_counting{false};
-std::atomic<int64_t> g_allocations{0};
-[[maybe_unused]] inline void Count() {  // unused where a sanitizer owns malloc
-  if (g_counting.load(std::memory_order_relaxed))
-    g_allocations.fetch_add(1, std::memory_order_relaxed);
-}
-}  // namespace
-
-#if KV_COUNT_ALLOCATIONS
-extern "C" {
-void* __libc_malloc(size_t);
-void* __libc_calloc(size_t, size_t);
-void* __libc_realloc(void*, size_t);
-void __libc_free(void*);
-void* __libc_memalign(size_t, size_t);
-
-void* malloc(size_t n) {
-  Count();
-  return __libc_malloc(n);
-}
-void* calloc(size_t n, size_t s) {
-  Count();
-  return __libc_calloc(n, s);
-}
-void* realloc(void* p, size_t n) {
-  Count();
-  return __libc_realloc(p, n);
-}
-void free(void* p) { __libc_free(p); }
-void* memalign(size_t a, size_t n) {
-  Count();
-  return __libc_memalign(a, n);
-}
-void* aligned_alloc(size_t a, size_t n) {
-  Count();
-  return __libc_memalign(a, n);
-}
-int posix_memalign(void** out, size_t a, size_t n) {
-  Count();
-  void* p = __libc_memalign(a, n);
-  if (p == nullptr) return 12;  // ENOMEM
-  *out = p;
-  return 0;
-}
-}
-#endif
+#include "malloc_hooks.h"
 
 namespace kv {
 namespace {
@@ -98,10 +33,12 @@ namespace {
 using testing::AllCacheKinds;
 using testing::CacheKind;
 using testing::Driver;
+using testing::g_allocations;
+using testing::g_counting;
 using testing::kAllDTypes;
 
 TEST(NoAllocation, TheCounterSeesEveryKindOfAllocation) {
-#if !KV_COUNT_ALLOCATIONS
+#if !KV_MALLOC_HOOKED
   GTEST_SKIP() << "sanitizer build: malloc belongs to the sanitizer";
 #endif
   // volatile: the compiler may not elide an allocation whose pointer escapes.
@@ -229,7 +166,7 @@ int64_t MeasureDecodeOnThisThread(const CacheKind& kind, DType dtype, int thread
 }
 
 TEST(NoAllocation, SteadyStateDecodeEveryKindDTypeAndThreadCount) {
-#if !KV_COUNT_ALLOCATIONS
+#if !KV_MALLOC_HOOKED
   GTEST_SKIP() << "sanitizer build: malloc belongs to the sanitizer";
 #endif
   for (const CacheKind& kind : AllCacheKinds()) {
@@ -261,7 +198,7 @@ int64_t CountDecodeAllocations(const Step& step, int max_batch, int warm_steps) 
 
 // The wrapper (SWA + causal, interleaved layers) and the rotating / growing sequence caches.
 TEST(NoAllocation, SteadyStateDecodeWrapperAndSequenceCaches) {
-#if !KV_COUNT_ALLOCATIONS
+#if !KV_MALLOC_HOOKED
   GTEST_SKIP() << "sanitizer build: malloc belongs to the sanitizer";
 #endif
   int64_t wrapper_allocs = -1, rotating_allocs = -1, growing_allocs = -1;
@@ -331,7 +268,7 @@ TEST(NoAllocation, SteadyStateDecodeWrapperAndSequenceCaches) {
 // by kvc_start_forward / kvc_put / kvc_get / kvc_attend_parallel on a 2-thread pool, warmed up as
 // above (a reserve pass, ordinary steps, and one decode-shaped Attend on each worker).
 TEST(NoAllocation, SteadyStateDecodeThroughTheCApi) {
-#if !KV_COUNT_ALLOCATIONS
+#if !KV_MALLOC_HOOKED
   GTEST_SKIP() << "sanitizer build: malloc belongs to the sanitizer";
 #endif
   int64_t allocs = -1;
@@ -395,7 +332,7 @@ TEST(NoAllocation, SteadyStateDecodeThroughTheCApi) {
 // L grew, i.e. every second decode step (50 allocations in 100 steps); it now grows
 // geometrically from a floor that covers these histories.
 TEST(NoAllocation, SteadyStateDecodeWithoutAReservePass) {
-#if !KV_COUNT_ALLOCATIONS
+#if !KV_MALLOC_HOOKED
   GTEST_SKIP() << "sanitizer build: malloc belongs to the sanitizer";
 #endif
   for (const CacheKind& kind : AllCacheKinds()) {

@@ -2,14 +2,20 @@
 // (Cache::SetAllocator), so a test can make any allocation fail. A failed first Put of a layer, a
 // failed ReserveLayers and a load that needs storage return kOutOfMemory and leave the cache
 // exactly as it was and usable: once memory is back, the same calls succeed and decoding goes on.
+// Attend's per-thread scratch comes from the heap: tests/malloc_hooks.cc (linked into this
+// executable) makes a chosen heap allocation fail.
+#include <cmath>
 #include <cstdlib>
+#include <thread>
 #include <vector>
 
 #include "cache_fingerprint.h"
+#include "core/attend.h"
 #include "core/persistence.h"
 #include "decode_driver.h"
 #include "gtest/gtest.h"
 #include "layouts/kv_layout.h"
+#include "malloc_hooks.h"
 #include "test_allocator.h"
 
 namespace kv {
@@ -136,6 +142,114 @@ TEST(OutOfMemory, LoadNeedingStorageChangesNothing) {
   ASSERT_TRUE(LoadCache(one, dst.get(), 0).ok());
   EXPECT_TRUE(dst->CheckConsistency().ok());
   EXPECT_TRUE(d.Tokens(dst.get(), {{0, 6}, {1, 3}}).ok());
+}
+
+// A history for Attend: Hkv 2, G 4, head_dim 64, L 4096 f32 cells, and a mask whose rows see a
+// long run of cells and then every other cell (one-cell spans: decode gathers those into a copy,
+// its third scratch buffer).
+struct AttendHistory {
+  static constexpr int64_t kD = 64, kHkv = 2, kHq = 8, kL = 4096;
+  std::vector<float> k, v, mask, q;
+  explicit AttendHistory(int64_t batch) : B(batch) {
+    k.resize(kD * kHkv * kL);
+    v.resize(k.size());
+    for (size_t i = 0; i < k.size(); ++i) {
+      k[i] = std::sin(0.37f * static_cast<float>(i));
+      v[i] = std::cos(0.11f * static_cast<float>(i));
+    }
+    q.resize(kD * B * kHq);
+    for (size_t i = 0; i < q.size(); ++i) q[i] = std::cos(0.53f * static_cast<float>(i));
+    mask.assign(kL * B, -INFINITY);
+    for (int64_t b = 0; b < B; ++b) {
+      for (int64_t j = 0; j < kL; ++j) {
+        if (j < 1000 + b || (j >= 2000 && j % 2 == 0)) mask[b * kL + j] = 0.0f;
+      }
+    }
+  }
+  int64_t B;
+  History Get() {
+    History h;
+    h.k = MakeView(k.data(), DType::kF32, {kD, kHkv, kL});
+    h.v = MakeView(v.data(), DType::kF32, {kD, kHkv, kL});
+    h.mask = MakeView(mask.data(), DType::kF32, {kL, B});
+    return h;
+  }
+  Status Attend(std::vector<float>* out, const ParallelFor& pf) {
+    out->assign(kD * B * kHq, -1.0f);
+    TensorView o = MakeView(out->data(), DType::kF32, {kD, B, kHq});
+    return kv::Attend(MakeView(q.data(), DType::kF32, {kD, B, kHq}), Get(), AttentionParams(), &o,
+                      pf);
+  }
+};
+
+// A parallel-for that runs every task on a thread of its own, started for the call: no task finds
+// a per-thread scratch buffer grown by an earlier call. With fail_large set, each such thread's
+// first large allocation fails.
+struct FreshThreads {
+  bool fail_large = false;
+  static void Run(void* user, int64_t n, void (*task)(void*, int64_t), void* ctx) {
+    const bool fail = static_cast<FreshThreads*>(user)->fail_large;
+    std::vector<std::thread> threads;
+    for (int64_t i = 0; i < n; ++i) {
+      threads.emplace_back([=] {
+        testing::FailLargeAllocationOnThisThread(fail ? 0 : -1);
+        task(ctx, i);
+      });
+    }
+    for (std::thread& t : threads) t.join();
+  }
+  ParallelFor Get() { return ParallelFor{&Run, this, 2}; }
+};
+
+// Every large allocation a call makes on the calling thread fails in turn (each on a new thread,
+// whose scratch is empty): the call returns kOutOfMemory instead of writing through a null buffer,
+// and the same call on that thread afterwards succeeds with the output of an undisturbed run, so a
+// failed growth left the scratch consistent. Decode (B 1, 3: the call's spans and partials, the
+// task's query rows, the gathered copy) and prefill (B 16: the call's granule bits, the task's
+// tiles), on the calling thread; then with each task on a fresh thread whose allocation fails.
+TEST(OutOfMemory, AttendScratchEveryAllocationSite) {
+  if (!testing::kMallocHooked) GTEST_SKIP() << "sanitizer build: malloc belongs to the sanitizer";
+  for (const int64_t batch : {int64_t{1}, int64_t{3}, int64_t{16}}) {
+    SCOPED_TRACE(batch);
+    AttendHistory h(batch);
+    std::vector<float> expected;
+    ASSERT_TRUE(h.Attend(&expected, ParallelFor{}).ok());
+    int failures = 0;
+    for (int64_t n = 0;; ++n) {
+      bool failed = false, retried = false;
+      Status first;
+      std::vector<float> out;
+      std::thread([&] {
+        testing::FailLargeAllocationOnThisThread(n);
+        first = h.Attend(&out, ParallelFor{});
+        failed = testing::LargeAllocationFailedOnThisThread();
+        testing::FailLargeAllocationOnThisThread(-1);
+        if (failed) retried = h.Attend(&out, ParallelFor{}).ok();
+      }).join();
+      if (!failed) {
+        EXPECT_TRUE(first.ok()) << first.message();
+        EXPECT_EQ(out, expected);
+        break;
+      }
+      ++failures;
+      EXPECT_EQ(first.code(), Code::kOutOfMemory) << "allocation " << n << ": " << first.message();
+      EXPECT_TRUE(retried) << "allocation " << n;
+      EXPECT_EQ(out, expected) << "allocation " << n;
+      ASSERT_LT(n, 10);
+    }
+    EXPECT_EQ(failures, batch < 8 ? 3 : 2);
+
+    FreshThreads workers;
+    workers.fail_large = true;
+    std::vector<float> out;
+    EXPECT_EQ(h.Attend(&out, workers.Get()).code(), Code::kOutOfMemory);
+    workers.fail_large = false;
+    std::vector<float> split;  // a 2-thread split: its own chunking, so its own reference
+    ASSERT_TRUE(h.Attend(&split, workers.Get()).ok());
+    ThreadPool pool(2);
+    ASSERT_TRUE(h.Attend(&out, pool.AsParallelFor()).ok());
+    EXPECT_EQ(out, split);
+  }
 }
 
 }  // namespace
