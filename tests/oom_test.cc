@@ -6,6 +6,7 @@
 // executable) makes a chosen heap allocation fail.
 #include <cmath>
 #include <cstdlib>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -14,7 +15,9 @@
 #include "core/persistence.h"
 #include "decode_driver.h"
 #include "gtest/gtest.h"
+#include "hwy/targets.h"
 #include "layouts/kv_layout.h"
+#include "layouts/quant.h"
 #include "malloc_hooks.h"
 #include "test_allocator.h"
 
@@ -144,19 +147,18 @@ TEST(OutOfMemory, LoadNeedingStorageChangesNothing) {
   EXPECT_TRUE(d.Tokens(dst.get(), {{0, 6}, {1, 3}}).ok());
 }
 
-// A history for Attend: Hkv 2, G 4, head_dim 64, L 4096 f32 cells, and a mask whose rows see a
-// long run of cells and then every other cell (one-cell spans: decode gathers those into a copy,
-// its third scratch buffer).
+// A history for Attend: Hkv 2, G 4, head_dim 64, L 4096 cells stored in `dtype`, and a mask whose
+// rows see a long run of cells and then every other cell (one-cell spans: decode gathers those
+// into a copy, its third scratch buffer).
 struct AttendHistory {
   static constexpr int64_t kD = 64, kHkv = 2, kHq = 8, kL = 4096;
-  std::vector<float> k, v, mask, q;
-  explicit AttendHistory(int64_t batch) : B(batch) {
-    k.resize(kD * kHkv * kL);
-    v.resize(k.size());
-    for (size_t i = 0; i < k.size(); ++i) {
-      k[i] = std::sin(0.37f * static_cast<float>(i));
-      v[i] = std::cos(0.11f * static_cast<float>(i));
-    }
+  DType dtype;
+  int64_t B;
+  std::vector<uint8_t> k, v;
+  std::vector<float> mask, q;
+  AttendHistory(DType t, int64_t batch) : dtype(t), B(batch) {
+    k = Store([](int64_t i) { return std::sin(0.37f * static_cast<float>(i)); });
+    v = Store([](int64_t i) { return std::cos(0.11f * static_cast<float>(i)); });
     q.resize(kD * B * kHq);
     for (size_t i = 0; i < q.size(); ++i) q[i] = std::cos(0.53f * static_cast<float>(i));
     mask.assign(kL * B, -INFINITY);
@@ -166,11 +168,29 @@ struct AttendHistory {
       }
     }
   }
-  int64_t B;
+  // [kD, kHkv, kL] in dtype: element i (in that order) is value(i).
+  template <class Value>
+  std::vector<uint8_t> Store(const Value& value) const {
+    const size_t row_bytes = RowBytes(dtype, kD);
+    std::vector<uint8_t> rows(row_bytes * kHkv * kL);
+    float src[kD];
+    for (int64_t r = 0; r < kHkv * kL; ++r) {
+      for (int64_t i = 0; i < kD; ++i) src[i] = value(r * kD + i);
+      uint8_t* row = rows.data() + static_cast<size_t>(r) * row_bytes;
+      if (dtype == DType::kQ8_0) {
+        for (int64_t blk = 0; blk < kD / 32; ++blk) {
+          QuantizeBlockQ8_0(src + 32 * blk, row + blk * BlockBytes(dtype));
+        }
+      } else {
+        for (int64_t i = 0; i < kD; ++i) StoreFromF32(row, dtype, i, src[i]);
+      }
+    }
+    return rows;
+  }
   History Get() {
     History h;
-    h.k = MakeView(k.data(), DType::kF32, {kD, kHkv, kL});
-    h.v = MakeView(v.data(), DType::kF32, {kD, kHkv, kL});
+    h.k = MakeView(k.data(), dtype, {kD, kHkv, kL});
+    h.v = MakeView(v.data(), dtype, {kD, kHkv, kL});
     h.mask = MakeView(mask.data(), DType::kF32, {kL, B});
     return h;
   }
@@ -207,49 +227,62 @@ struct FreshThreads {
 // failed growth left the scratch consistent. Decode (B 1, 3: the call's spans and partials, the
 // task's query rows, the gathered copy) and prefill (B 16: the call's granule bits, the task's
 // tiles), on the calling thread; then with each task on a fresh thread whose allocation fails.
+// Every compiled target (their tasks size their scratch differently: f16's query patterns on
+// AVX-512, q8_0's integer query rows with VNNI) and dtype f32, f16, q8_0.
+void ExpectAttendReportsScratchFailures(DType dtype, int64_t batch) {
+  AttendHistory h(dtype, batch);
+  std::vector<float> expected;
+  ASSERT_TRUE(h.Attend(&expected, ParallelFor{}).ok());
+  int failures = 0;
+  for (int64_t n = 0;; ++n) {
+    bool failed = false, retried = false;
+    Status first;
+    std::vector<float> out;
+    std::thread([&] {
+      testing::FailLargeAllocationOnThisThread(n);
+      first = h.Attend(&out, ParallelFor{});
+      failed = testing::LargeAllocationFailedOnThisThread();
+      testing::FailLargeAllocationOnThisThread(-1);
+      if (failed) retried = h.Attend(&out, ParallelFor{}).ok();
+    }).join();
+    if (!failed) {
+      EXPECT_TRUE(first.ok()) << first.message();
+      EXPECT_EQ(out, expected);
+      break;
+    }
+    ++failures;
+    EXPECT_EQ(first.code(), Code::kOutOfMemory) << "allocation " << n << ": " << first.message();
+    EXPECT_TRUE(retried) << "allocation " << n;
+    EXPECT_EQ(out, expected) << "allocation " << n;
+    ASSERT_LT(n, 10);
+  }
+  EXPECT_EQ(failures, batch < 8 ? 3 : 2);
+
+  FreshThreads workers;
+  workers.fail_large = true;
+  std::vector<float> out;
+  EXPECT_EQ(h.Attend(&out, workers.Get()).code(), Code::kOutOfMemory);
+  workers.fail_large = false;
+  std::vector<float> split;  // a 2-thread split: its own chunking, so its own reference
+  ASSERT_TRUE(h.Attend(&split, workers.Get()).ok());
+  ThreadPool pool(2);
+  ASSERT_TRUE(h.Attend(&out, pool.AsParallelFor()).ok());
+  EXPECT_EQ(out, split);
+}
+
 TEST(OutOfMemory, AttendScratchEveryAllocationSite) {
   if (!testing::kMallocHooked) GTEST_SKIP() << "sanitizer build: malloc belongs to the sanitizer";
-  for (const int64_t batch : {int64_t{1}, int64_t{3}, int64_t{16}}) {
-    SCOPED_TRACE(batch);
-    AttendHistory h(batch);
-    std::vector<float> expected;
-    ASSERT_TRUE(h.Attend(&expected, ParallelFor{}).ok());
-    int failures = 0;
-    for (int64_t n = 0;; ++n) {
-      bool failed = false, retried = false;
-      Status first;
-      std::vector<float> out;
-      std::thread([&] {
-        testing::FailLargeAllocationOnThisThread(n);
-        first = h.Attend(&out, ParallelFor{});
-        failed = testing::LargeAllocationFailedOnThisThread();
-        testing::FailLargeAllocationOnThisThread(-1);
-        if (failed) retried = h.Attend(&out, ParallelFor{}).ok();
-      }).join();
-      if (!failed) {
-        EXPECT_TRUE(first.ok()) << first.message();
-        EXPECT_EQ(out, expected);
-        break;
+  for (const int64_t target : hwy::SupportedAndGeneratedTargets()) {
+    hwy::SetSupportedTargetsForTest(target);
+    for (const DType dtype : {DType::kF32, DType::kF16, DType::kQ8_0}) {
+      for (const int64_t batch : {int64_t{1}, int64_t{3}, int64_t{16}}) {
+        SCOPED_TRACE(std::string(hwy::TargetName(target)) + " " + DTypeName(dtype) + " B " +
+                     std::to_string(batch));
+        ExpectAttendReportsScratchFailures(dtype, batch);
       }
-      ++failures;
-      EXPECT_EQ(first.code(), Code::kOutOfMemory) << "allocation " << n << ": " << first.message();
-      EXPECT_TRUE(retried) << "allocation " << n;
-      EXPECT_EQ(out, expected) << "allocation " << n;
-      ASSERT_LT(n, 10);
     }
-    EXPECT_EQ(failures, batch < 8 ? 3 : 2);
-
-    FreshThreads workers;
-    workers.fail_large = true;
-    std::vector<float> out;
-    EXPECT_EQ(h.Attend(&out, workers.Get()).code(), Code::kOutOfMemory);
-    workers.fail_large = false;
-    std::vector<float> split;  // a 2-thread split: its own chunking, so its own reference
-    ASSERT_TRUE(h.Attend(&split, workers.Get()).ok());
-    ThreadPool pool(2);
-    ASSERT_TRUE(h.Attend(&out, pool.AsParallelFor()).ok());
-    EXPECT_EQ(out, split);
   }
+  hwy::SetSupportedTargetsForTest(0);
 }
 
 }  // namespace
