@@ -6,7 +6,10 @@
 // intersected with the block, and for each visible piece the K rows are converted in registers
 // once and dotted with up to 8 query heads of the group at a time; then one online-softmax update
 // per head and one pass over the V rows with the heads' accumulators. Each task leaves (m, l, acc)
-// partials; a merge combines the chunks, adds the sink and divides.
+// partials; a merge combines the chunks, adds the sink and divides. Pieces shorter than 16 cells
+// are not run one by one (each would pay a softmax step): one-cell pieces every k-th cell (batched
+// decode's interleaved new tokens) are read in place through a strided view (DecodeStrided), other
+// short pieces are copied together first (DecodeGathered).
 //
 // The K pass, by storage type and target:
 // - f16 K on AVX-512, head_dim <= 64, groups of 4 / 8 heads: DotHeadsPairs8 transposes 8 rows in
@@ -1348,7 +1351,7 @@ HWY_INLINE void DecodeCellsAllHeads(const Ctx& c, int64_t h, int64_t b, int64_t 
   if (c.G - g >= 1) DecodeCells<T, kPermV, 1>(c, h, b, g, c0, n, qs, rows, next_kp());
 }
 
-// Spans shorter than this are gathered (see DecodeGathered).
+// Spans shorter than this are read together (DecodeStrided, DecodeGathered).
 constexpr int64_t kShortSpan = 16;
 
 // Copies `bytes` from src to dst (not overlapping) in whole vectors, the last one overlapping its
@@ -1410,6 +1413,36 @@ template <DType T>
   DecodeCellsAllHeads<T, false>(g, 0, b, 0, n, qs, rows,
                                 KPrefetch{n, n, 0, 0});  // the copy is in cache
   return true;
+}
+
+// Cells c_first, c_first + step, ..., n of them (all visible to row b), for every query head of KV
+// head h, read in place through views whose cell stride is `step` rows: the pattern of batched
+// decode, where the sequences' new tokens take turns in consecutive cells, so each row sees every
+// step-th cell. Only row b's n mask values are copied. The rows from c_first up to
+// c_first + step * n are asked for unless `asked` says an earlier row did (the other rows of the
+// batch read the cells in between next). The same cells in the same order as DecodeGathered, so
+// the same results, without copying the rows.
+template <DType T>
+HWY_NOINLINE void DecodeStrided(const Ctx& c, int64_t h, int64_t b, int64_t c_first, int64_t step,
+                                int64_t n, const QRows& qs, float* rows, RequestedRows& asked) {
+  HWY_ALIGN float mvals[kBlockCells + kRowPad];
+  for (int64_t i = 0; i < n; ++i) mvals[i] = attn::MaskValue(c.mask, b, c_first + i * step);
+  Ctx g = c;
+  const size_t kst = c.k.nb[2], vst = c.v.nb[2];
+  g.k.data = static_cast<char*>(c.k.data) + static_cast<size_t>(c_first) * kst;
+  g.k.nb[2] = kst * static_cast<size_t>(step);
+  g.v.data = static_cast<char*>(c.v.data) + static_cast<size_t>(c_first) * vst;
+  g.v.nb[2] = vst * static_cast<size_t>(step);
+  g.mask.data = mvals;  // row b's values, read as row 0 of an f32 mask
+  g.mask.dtype = DType::kF32;
+  g.mask.nb[0] = sizeof(float);
+  g.mask.nb[1] = 0;
+  // The marks only move over rows asked for now (`asked` may not skip a gap: RequestedRows).
+  const int64_t end = c_first + step * n;
+  const KPrefetch kp{asked.k >= end ? n : 0, asked.v >= end ? n : 0, 0, 0};
+  if (asked.k >= c_first) asked.k = std::max(asked.k, end);
+  if (asked.v >= c_first) asked.v = std::max(asked.v, end);
+  DecodeCellsAllHeads<T, false>(g, h, b, 0, n, qs, rows, kp);
 }
 
 template <DType T, bool kPermV>
@@ -1541,8 +1574,15 @@ void DecodeHeadChunk(const Ctx& c, int64_t h, int64_t chunk) {
         ++cur;
       }
       if constexpr (!kPermV) {
+        int64_t step = n_short > 1 ? short_cells[1] - short_cells[0] : 0;
+        for (int64_t i = 2; i < n_short && step > 0; ++i) {
+          if (short_cells[i] - short_cells[i - 1] != step) step = 0;
+        }
         if (short_spans == 1) {  // contiguous: nothing to gain from a copy
           piece(b, short_cells[0], n_short);
+        } else if (step > 1 && !c.p.copy_strided_spans) {  // every step-th cell: in place
+          DecodeStrided<T>(c, h, b, short_cells[0], step, n_short, q_row(b), part + b * c.G * rs,
+                           asked);
         } else if (short_spans > 1) {
           if (!DecodeGathered<T>(c, h, b, short_cells, n_short, q_row(b), part + b * c.G * rs)) {
             return attn::ScratchFailed(c);

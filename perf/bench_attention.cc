@@ -5,6 +5,7 @@
 //            (independent FMA chains on the best Highway target) with the same thread count.
 //   side by side (decode, f16, D 128, 4096 cells, 1 thread): the scalar double reference, the
 //            dispatched kernel on its best target and pinned to AVX2, and an xsimd AVX2 version.
+//   batched decode (4 sequences, interleaved new tokens): in place against copied, per call.
 // Timing on a shared machine: each figure takes the best call of its run (decode: hundreds of
 // calls; prefill: 3), and the decode baseline is interleaved with the calls (32 MiB slices of the
 // 256 MiB buffer, best slice), so the kernel and its baseline see the same machine.
@@ -25,6 +26,7 @@
 
 #include "benchmark/benchmark.h"
 #include "core/attend.h"
+#include "core/cache.h"
 #include "core/thread_pool.h"
 #include "hwy/aligned_allocator.h"
 #include "hwy/targets.h"
@@ -335,6 +337,95 @@ void BM_DecodePrefetchLevels(benchmark::State& state) {
       kv::kernels::PrefetchLevel::kL2;
 }
 
+// Batched decode as kvperf's default leaves the cache: 4 sequences with 2048-token prompts of
+// their own, then 512 decode steps in one batch (the new tokens take turns in consecutive cells,
+// so each row sees every 4th cell of the last 2048), 8 KV heads x 64, 32 query heads; the calls
+// alternate between reading the interleaved cells in place (strided views, the default) and
+// copying them together first (copy_strided_spans, the only way before session 20).
+// in_place_vs_copy > 1 where in place is faster, from the best calls and from the means.
+// Args: q8 (0: f16, 1: q8_0), threads.
+void BM_DecodeBatchedInterleaved(benchmark::State& state) {
+  const kv::DType dtype = state.range(0) != 0 ? kv::DType::kQ8_0 : kv::DType::kF16;
+  const int threads = static_cast<int>(state.range(1));
+  constexpr int kD = 64, kHkv = 8, kHq = 32, kSeqs = 4, kPrompt = 2048, kSteps = 512;
+  auto cache = kv::NewCausalCache();
+  std::vector<float> k(static_cast<size_t>(kD) * kHkv * 512), v(k.size());
+  std::vector<int32_t> pos(512), seq(512);
+  std::mt19937 rng(7);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  const auto put = [&](int n) {
+    for (float& x : k) x = u(rng);
+    for (float& x : v) x = u(rng);
+    kv::Batch b;
+    b.positions = std::span<const int32_t>(pos.data(), static_cast<size_t>(n));
+    b.sequences = std::span<const int32_t>(seq.data(), static_cast<size_t>(n));
+    if (!cache->StartForward(b, false).ok()) return false;
+    cache->SetLayer(0);
+    return cache
+        ->Put(kv::MakeView(k.data(), kv::DType::kF32, {kD, kHkv, n}),
+              kv::MakeView(v.data(), kv::DType::kF32, {kD, kHkv, n}))
+        .ok();
+  };
+  bool ok = cache->Init(dtype, kSeqs, kPrompt + kSteps + 1, 512).ok();
+  for (int s = 0; ok && s < kSeqs; ++s) {
+    for (int p0 = 0; ok && p0 < kPrompt; p0 += 512) {
+      for (int i = 0; i < 512; ++i) {
+        pos[i] = p0 + i;
+        seq[i] = s;
+      }
+      ok = put(512);
+    }
+  }
+  for (int t = 0; ok && t <= kSteps; ++t) {  // the last step is the batch the calls serve
+    for (int s = 0; s < kSeqs; ++s) {
+      pos[s] = kPrompt + t;
+      seq[s] = s;
+    }
+    ok = put(kSeqs);
+  }
+  if (!ok) {
+    state.SkipWithError("building the cache failed");
+    return;
+  }
+  const kv::History h = cache->Get();
+  std::vector<float> q(static_cast<size_t>(kD) * kSeqs * kHq), out(q.size());
+  for (float& x : q) x = u(rng);
+  const kv::TensorView qv = kv::MakeView(q.data(), kv::DType::kF32, {kD, kSeqs, kHq});
+  kv::TensorView ov = kv::MakeView(out.data(), kv::DType::kF32, {kD, kSeqs, kHq});
+  kv::ThreadPool pool(threads);
+  const kv::ParallelFor par = pool.AsParallelFor();
+  const kv::kernels::ParallelForFn pf{par.run, par.user, par.num_threads};
+  kv::kernels::AttentionKernelParams kp[2];  // [copy]
+  for (int c = 0; c < 2; ++c) {
+    kp[c].scale = 1.0f / std::sqrt(static_cast<float>(kD));
+    kp[c].copy_strided_spans = c == 1;
+  }
+  const auto call = [&](int c) {
+    const auto t0 = Clock::now();
+    if (!kv::kernels::Attention(qv, h.k, h.v, h.mask, kp[c], pf, &ov)) {
+      std::fprintf(stderr, "bench_attention: out of memory in Attention's scratch\n");
+      std::abort();
+    }
+    return Seconds(t0, Clock::now());
+  };
+  (void)call(0);  // warm up
+  (void)call(1);
+  double best[2] = {1e30, 1e30}, sum[2] = {0, 0};
+  for (auto _ : state) {
+    for (int c = 0; c < 2; ++c) {
+      const double t = call(c);
+      best[c] = std::min(best[c], t);
+      sum[c] += t;
+    }
+  }
+  state.counters["in_place_us"] = best[0] * 1e6;
+  state.counters["copy_us"] = best[1] * 1e6;
+  state.counters["in_place_vs_copy"] = best[1] / best[0];
+  state.counters["mean_in_place_vs_copy"] = sum[1] / sum[0];
+  state.SetLabel(std::string(dtype == kv::DType::kF16 ? "f16" : "q8_0") + " L " +
+                 std::to_string(h.k.ne[2]) + " B 4");
+}
+
 // Args: threads.
 void BM_Prefill(benchmark::State& state) {
   const int threads = static_cast<int>(state.range(0));
@@ -445,6 +536,11 @@ BENCHMARK(BM_DecodeQ8VsF16Interleaved)
     ->UseRealTime();
 BENCHMARK(BM_DecodePrefetchLevels)
     ->Apply(LongHistoryArgs)
+    ->Unit(benchmark::kMicrosecond)
+    ->MinTime(2.0)
+    ->UseRealTime();
+BENCHMARK(BM_DecodeBatchedInterleaved)
+    ->ArgsProduct({{0, 1}, {1, 2}})
     ->Unit(benchmark::kMicrosecond)
     ->MinTime(2.0)
     ->UseRealTime();

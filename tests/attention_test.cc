@@ -918,6 +918,57 @@ TEST_P(AttentionTest, InterleavedSequencesWithBiases) {
   }
 }
 
+// Batched decode leaves each sequence's new tokens every k-th cell: decode reads those one-cell
+// spans in place through a strided view (DecodeStrided) instead of copying them together first
+// (DecodeGathered, AttentionKernelParams::copy_strided_spans). Both walk the same cells in the same
+// order, so the outputs must agree bit for bit: steps 2 to 5 (row b sees the cells of sequence
+// b % step after a shared run), blocks the steps do not divide, 1 to 8 query heads per KV head,
+// every dtype, 1 and 2 threads (chunks cut the runs). The reference check of the strided path
+// itself is InterleavedSequencesWithBiases.
+TEST_P(AttentionTest, StridedDecodeMatchesTheCopy) {
+  ThreadPool pool2(2);
+  std::mt19937 rng(77);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  const int D = 64, Hkv = 2, L = 1500, shared = 203;
+  for (auto [dt, perm] : DTypeLayouts()) {
+    if (perm) continue;  // a permuted V row is one element per dimension line: no short spans
+    TestHistory h = MakeHistory(dt, D, D, Hkv, L, false, rng);
+    for (int step : {2, 3, 4, 5}) {
+      for (int G : {1, 4, 8}) {
+        const int B = step + 1, Hq = Hkv * G;
+        std::vector<float> mask(static_cast<size_t>(L) * B, -kInf);
+        for (int b = 0; b < B; ++b) {
+          for (int j = 0; j < L; ++j) {
+            if (j < shared || (j - shared) % step == b % step) mask[b * L + j] = -0.01f * (j % 7);
+          }
+        }
+        std::vector<float> q(static_cast<size_t>(D) * B * Hq);
+        for (float& x : q) x = u(rng);
+        TensorView qv = MakeView(q.data(), DType::kF32, {D, B, Hq});
+        TensorView mv = MakeView(mask.data(), DType::kF32, {L, B});
+        for (ThreadPool* pool : {static_cast<ThreadPool*>(nullptr), &pool2}) {
+          SCOPED_TRACE(std::string(DTypeName(dt)) + " step " + std::to_string(step) + " G " +
+                       std::to_string(G) + " threads " + (pool ? "2" : "1") +
+                       " target=" + TargetNow());
+          std::vector<float> in_place(static_cast<size_t>(D) * B * Hq, 1.0f);
+          std::vector<float> copied(in_place.size(), 2.0f);
+          kernels::AttentionKernelParams kp;
+          kp.scale = 0.125f;
+          kp.mode = AttentionMode::kDecode;
+          TensorView ov = MakeView(in_place.data(), DType::kF32, {D, B, Hq});
+          ASSERT_TRUE(kernels::Attention(qv, h.k, h.v, mv, kp, KernelParallelFor(pool), &ov));
+          kp.copy_strided_spans = true;
+          ov = MakeView(copied.data(), DType::kF32, {D, B, Hq});
+          ASSERT_TRUE(kernels::Attention(qv, h.k, h.v, mv, kp, KernelParallelFor(pool), &ov));
+          EXPECT_EQ(in_place, copied);
+          EXPECT_TRUE(std::all_of(in_place.begin(), in_place.end(),
+                                  [](float x) { return std::isfinite(x) && x != 1.0f; }));
+        }
+      }
+    }
+  }
+}
+
 // Prefill over several sequences' cells: each task skips the cell tiles that none of its query
 // rows can see (kernels/attention.cc, visible granules). Query tiles are 128 / G rows (at most 64),
 // so B = 3 tiles puts one sequence in each; 1 and 2 threads.

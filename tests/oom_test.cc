@@ -148,8 +148,8 @@ TEST(OutOfMemory, LoadNeedingStorageChangesNothing) {
 }
 
 // A history for Attend: Hkv 2, G 4, head_dim 64, L 4096 cells stored in `dtype`, and a mask whose
-// rows see a long run of cells and then every other cell (one-cell spans: decode gathers those
-// into a copy, its third scratch buffer).
+// rows see a long run of cells and then two cells of every three (two-cell spans: decode gathers
+// those into a copy, its third scratch buffer).
 struct AttendHistory {
   static constexpr int64_t kD = 64, kHkv = 2, kHq = 8, kL = 4096;
   DType dtype;
@@ -164,7 +164,7 @@ struct AttendHistory {
     mask.assign(kL * B, -INFINITY);
     for (int64_t b = 0; b < B; ++b) {
       for (int64_t j = 0; j < kL; ++j) {
-        if (j < 1000 + b || (j >= 2000 && j % 2 == 0)) mask[b * kL + j] = 0.0f;
+        if (j < 1000 + b || (j >= 2000 && j % 3 != 0)) mask[b * kL + j] = 0.0f;
       }
     }
   }
