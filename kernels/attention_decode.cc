@@ -1580,7 +1580,10 @@ void DecodeHeadChunk(const Ctx& c, int64_t h, int64_t chunk) {
         }
         if (short_spans == 1) {  // contiguous: nothing to gain from a copy
           piece(b, short_cells[0], n_short);
-        } else if (step > 1 && !c.p.copy_strided_spans) {  // every step-th cell: in place
+        } else if (step > 1 && step <= c.B && !c.p.copy_strided_spans) {
+          // Every step-th cell: read in place. DecodeStrided asks for the cells in between too,
+          // which pays only when the batch's other rows read them: at most B sequences take
+          // turns, so a larger step is some other pattern, and its cells are copied instead.
           DecodeStrided<T>(c, h, b, short_cells[0], step, n_short, q_row(b), part + b * c.G * rs,
                            asked);
         } else if (short_spans > 1) {
