@@ -106,8 +106,8 @@ struct AttentionKernelParams {
   // most max|q| * scale * sum|k| / 16711422, ~2^-24, the f32 pass's own rounding scale;
   // attention_decode.cc); tests and benchmarks set this to compare the two.
   bool float_k = false;
-  // Decode: one-cell spans that fall every k-th cell (1 < k <= B: batched decode, each sequence's
-  // new tokens taking turns in consecutive cells) are read in place through a strided view; with
+  // Decode: one-cell spans that fall every k-th cell (k > 1: batched decode, each sequence's new
+  // tokens taking turns in consecutive cells) are read in place through a strided view; with
   // this set they are copied together first like any other short spans (DecodeGathered), which was
   // the only way before session 20. Same cells, same order, same results; tests and benchmarks set
   // it to compare the two.

@@ -1418,10 +1418,15 @@ template <DType T>
 // Cells c_first, c_first + step, ..., n of them (all visible to row b), for every query head of KV
 // head h, read in place through views whose cell stride is `step` rows: the pattern of batched
 // decode, where the sequences' new tokens take turns in consecutive cells, so each row sees every
-// step-th cell. Only row b's n mask values are copied. The rows from c_first up to
-// c_first + step * n are asked for unless `asked` says an earlier row did (the other rows of the
-// batch read the cells in between next). The same cells in the same order as DecodeGathered, so
-// the same results, without copying the rows.
+// step-th cell. Only row b's n mask values are copied. The same cells in the same order as
+// DecodeGathered, so the same results, without copying the rows.
+// Prefetch: with step <= B the rows from c_first up to c_first + step * n are asked for (unless
+// `asked` says an earlier row did): the batch's other rows read the cells in between next. A
+// larger step cannot be B sequences taking turns (one sequence decoding among idle ones, say):
+// nothing is asked for, the hardware's stride prefetch serves it. Measured (Zen 4, calls
+// alternating with the copy, 4 sequences' interleaved tokens, 2048-token prompts, 512 steps): B 4
+// 1.05-1.14x faster than the copy with the range asked for, 0.94-0.97x on the mean without; B 1
+// 1.03-1.06x without, 0.97-1.10x with it.
 template <DType T>
 HWY_NOINLINE void DecodeStrided(const Ctx& c, int64_t h, int64_t b, int64_t c_first, int64_t step,
                                 int64_t n, const QRows& qs, float* rows, RequestedRows& asked) {
@@ -1437,6 +1442,10 @@ HWY_NOINLINE void DecodeStrided(const Ctx& c, int64_t h, int64_t b, int64_t c_fi
   g.mask.dtype = DType::kF32;
   g.mask.nb[0] = sizeof(float);
   g.mask.nb[1] = 0;
+  if (step > c.B) {
+    DecodeCellsAllHeads<T, false>(g, h, b, 0, n, qs, rows, KPrefetch{n, n, 0, 0});
+    return;
+  }
   // The marks only move over rows asked for now (`asked` may not skip a gap: RequestedRows).
   const int64_t end = c_first + step * n;
   const KPrefetch kp{asked.k >= end ? n : 0, asked.v >= end ? n : 0, 0, 0};
@@ -1580,10 +1589,7 @@ void DecodeHeadChunk(const Ctx& c, int64_t h, int64_t chunk) {
         }
         if (short_spans == 1) {  // contiguous: nothing to gain from a copy
           piece(b, short_cells[0], n_short);
-        } else if (step > 1 && step <= c.B && !c.p.copy_strided_spans) {
-          // Every step-th cell: read in place. DecodeStrided asks for the cells in between too,
-          // which pays only when the batch's other rows read them: at most B sequences take
-          // turns, so a larger step is some other pattern, and its cells are copied instead.
+        } else if (step > 1 && !c.p.copy_strided_spans) {  // every step-th cell: in place
           DecodeStrided<T>(c, h, b, short_cells[0], step, n_short, q_row(b), part + b * c.G * rs,
                            asked);
         } else if (short_spans > 1) {

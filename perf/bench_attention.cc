@@ -343,10 +343,12 @@ void BM_DecodePrefetchLevels(benchmark::State& state) {
 // alternate between reading the interleaved cells in place (strided views, the default) and
 // copying them together first (copy_strided_spans, the only way before session 20).
 // in_place_vs_copy > 1 where in place is faster, from the best calls and from the means.
-// Args: q8 (0: f16, 1: q8_0), threads.
+// rows 4: the batch of all four sequences; rows 1: sequence 0 alone (the others idle).
+// Args: q8 (0: f16, 1: q8_0), threads, rows.
 void BM_DecodeBatchedInterleaved(benchmark::State& state) {
   const kv::DType dtype = state.range(0) != 0 ? kv::DType::kQ8_0 : kv::DType::kF16;
   const int threads = static_cast<int>(state.range(1));
+  const int rows = static_cast<int>(state.range(2));
   constexpr int kD = 64, kHkv = 8, kHq = 32, kSeqs = 4, kPrompt = 2048, kSteps = 512;
   auto cache = kv::NewCausalCache();
   std::vector<float> k(static_cast<size_t>(kD) * kHkv * 512), v(k.size());
@@ -376,22 +378,27 @@ void BM_DecodeBatchedInterleaved(benchmark::State& state) {
       ok = put(512);
     }
   }
-  for (int t = 0; ok && t <= kSteps; ++t) {  // the last step is the batch the calls serve
+  for (int t = 0; ok && t < kSteps; ++t) {
     for (int s = 0; s < kSeqs; ++s) {
       pos[s] = kPrompt + t;
       seq[s] = s;
     }
     ok = put(kSeqs);
   }
+  for (int s = 0; s < rows; ++s) {  // the batch the calls serve
+    pos[s] = kPrompt + kSteps;
+    seq[s] = s;
+  }
+  ok = ok && put(rows);
   if (!ok) {
     state.SkipWithError("building the cache failed");
     return;
   }
   const kv::History h = cache->Get();
-  std::vector<float> q(static_cast<size_t>(kD) * kSeqs * kHq), out(q.size());
+  std::vector<float> q(static_cast<size_t>(kD) * rows * kHq), out(q.size());
   for (float& x : q) x = u(rng);
-  const kv::TensorView qv = kv::MakeView(q.data(), kv::DType::kF32, {kD, kSeqs, kHq});
-  kv::TensorView ov = kv::MakeView(out.data(), kv::DType::kF32, {kD, kSeqs, kHq});
+  const kv::TensorView qv = kv::MakeView(q.data(), kv::DType::kF32, {kD, rows, kHq});
+  kv::TensorView ov = kv::MakeView(out.data(), kv::DType::kF32, {kD, rows, kHq});
   kv::ThreadPool pool(threads);
   const kv::ParallelFor par = pool.AsParallelFor();
   const kv::kernels::ParallelForFn pf{par.run, par.user, par.num_threads};
@@ -423,7 +430,7 @@ void BM_DecodeBatchedInterleaved(benchmark::State& state) {
   state.counters["in_place_vs_copy"] = best[1] / best[0];
   state.counters["mean_in_place_vs_copy"] = sum[1] / sum[0];
   state.SetLabel(std::string(dtype == kv::DType::kF16 ? "f16" : "q8_0") + " L " +
-                 std::to_string(h.k.ne[2]) + " B 4");
+                 std::to_string(h.k.ne[2]) + " B " + std::to_string(rows));
 }
 
 // Args: threads.
@@ -540,7 +547,7 @@ BENCHMARK(BM_DecodePrefetchLevels)
     ->MinTime(2.0)
     ->UseRealTime();
 BENCHMARK(BM_DecodeBatchedInterleaved)
-    ->ArgsProduct({{0, 1}, {1, 2}})
+    ->ArgsProduct({{0, 1}, {1, 2}, {4, 1}})
     ->Unit(benchmark::kMicrosecond)
     ->MinTime(2.0)
     ->UseRealTime();

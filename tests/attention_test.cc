@@ -923,8 +923,9 @@ TEST_P(AttentionTest, InterleavedSequencesWithBiases) {
 // (DecodeGathered, AttentionKernelParams::copy_strided_spans). Both walk the same cells in the same
 // order, so the outputs must agree bit for bit: steps 2 to 5 (row b sees the cells of sequence
 // b % step after a shared run), blocks the steps do not divide, 1 to 8 query heads per KV head,
-// every dtype, 1 and 2 threads (chunks cut the runs). The reference check of the strided path
-// itself is InterleavedSequencesWithBiases.
+// B above the step (the batch's rows read the cells in between) and B 1 (they do not: no
+// software prefetch), every dtype, 1 and 2 threads (chunks cut the runs). The reference check of
+// the strided path itself is InterleavedSequencesWithBiases.
 TEST_P(AttentionTest, StridedDecodeMatchesTheCopy) {
   ThreadPool pool2(2);
   std::mt19937 rng(77);
@@ -934,8 +935,8 @@ TEST_P(AttentionTest, StridedDecodeMatchesTheCopy) {
     if (perm) continue;  // a permuted V row is one element per dimension line: no short spans
     TestHistory h = MakeHistory(dt, D, D, Hkv, L, false, rng);
     for (int step : {2, 3, 4, 5}) {
-      for (int G : {1, 4, 8}) {
-        const int B = step + 1, Hq = Hkv * G;
+      for (auto [G, B] : {std::pair{1, step + 1}, {4, step + 1}, {8, step + 1}, {4, 1}}) {
+        const int Hq = Hkv * G;
         std::vector<float> mask(static_cast<size_t>(L) * B, -kInf);
         for (int b = 0; b < B; ++b) {
           for (int j = 0; j < L; ++j) {
@@ -948,8 +949,8 @@ TEST_P(AttentionTest, StridedDecodeMatchesTheCopy) {
         TensorView mv = MakeView(mask.data(), DType::kF32, {L, B});
         for (ThreadPool* pool : {static_cast<ThreadPool*>(nullptr), &pool2}) {
           SCOPED_TRACE(std::string(DTypeName(dt)) + " step " + std::to_string(step) + " G " +
-                       std::to_string(G) + " threads " + (pool ? "2" : "1") +
-                       " target=" + TargetNow());
+                       std::to_string(G) + " B " + std::to_string(B) + " threads " +
+                       (pool ? "2" : "1") + " target=" + TargetNow());
           std::vector<float> in_place(static_cast<size_t>(D) * B * Hq, 1.0f);
           std::vector<float> copied(in_place.size(), 2.0f);
           kernels::AttentionKernelParams kp;
