@@ -352,6 +352,19 @@ struct Q8Kind {
   template <class S>
   static HWY_INLINE void Codes(const typename S::T* src, hn::Vec<DF> vid, void* block) {
     const DF df;
+#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
+    // vcvttps2dq is trunc() for |t| < 2^31 (here |t| < 128) and vpmovdb keeps the low byte and
+    // stores it: 5 instructions per 16 codes instead of 8 (Highway's TruncateTo is a vpshufb and
+    // a vpermd on AVX-512, and ConvertTo adds an overflow fix-up that |t| < 128 never needs).
+    static_assert(hn::MaxLanes(DF()) == 16, "one 512-bit vector: half a block");
+    for (size_t k = 0; k < 32; k += 16) {
+      const auto p = KeepRounded(hn::Mul(S::Load(src + k), vid));
+      const auto t = hn::Add(p, hn::CopySign(hn::Set(df, 0.49999997f), p));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(Q8Codes(block) + k),
+                       _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(t.raw)));
+    }
+    return;
+#endif
     for (size_t k = 0; k < 32; k += hn::Lanes(df)) {
       const auto p = KeepRounded(hn::Mul(S::Load(src + k), vid));
       const auto half = hn::Or(hn::And(p, hn::Set(df, -0.0f)), hn::Set(df, 0.49999997f));
