@@ -364,6 +364,22 @@ struct Q8Kind {
                        _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(t.raw)));
     }
     return;
+#elif HWY_TARGET == HWY_AVX2
+    // The same with AVX2's saturating packs (exact for |t| < 128): the 32 codes of the block in
+    // lane order A0 B0 C0 D0 | A1 B1 C1 D1 (4-code groups of vectors A..D), put back in order by
+    // one vpermd: 5 instructions per 8 codes and 4 per block instead of 10 per 8 codes.
+    static_assert(hn::MaxLanes(DF()) == 8, "one 256-bit vector: a quarter of a block");
+    __m256i t[4];
+    for (size_t k = 0; k < 4; ++k) {
+      const auto p = KeepRounded(hn::Mul(S::Load(src + 8 * k), vid));
+      t[k] = _mm256_cvttps_epi32(hn::Add(p, hn::CopySign(hn::Set(df, 0.49999997f), p)).raw);
+    }
+    const __m256i bytes =
+        _mm256_packs_epi16(_mm256_packs_epi32(t[0], t[1]), _mm256_packs_epi32(t[2], t[3]));
+    _mm256_storeu_si256(
+        reinterpret_cast<__m256i*>(Q8Codes(block)),
+        _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    return;
 #endif
     for (size_t k = 0; k < 32; k += hn::Lanes(df)) {
       const auto p = KeepRounded(hn::Mul(S::Load(src + k), vid));
