@@ -4,11 +4,10 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
-#include <utility>
 
-#include "hwy/aligned_allocator.h"
 #include "kernels/attention.h"
 #include "kernels/convert.h"
+#include "kernels/grow_buffer.h"
 
 namespace kv {
 namespace {
@@ -89,31 +88,26 @@ Status Validate(const TensorView& q, const History& h, const AttentionParams& pa
 // anyway, so the result is the f32 kernel's over the same numbers. It costs one more pass over the
 // converted views per call; the copy lives in a per-thread buffer that grows to the largest shape
 // it has seen, so a steady state allocates nothing. Same-dtype histories never come here.
-// k and v are replaced by views of the copy where they were widened.
+// k and v are replaced by views of the copy where they were widened. A buffer of its own, not one
+// of the kernels' (attn::ThreadScratch): the kernels use those while they read this copy.
 Status WidenMixedToF32(TensorView* k, TensorView* v) {
-  thread_local hwy::AlignedFreeUniquePtr<float[]> buf;
-  thread_local size_t cap = 0;
+  thread_local kernels::GrowBuffer buf;
   const size_t k_floats = k->dtype == DType::kF32 ? 0 : static_cast<size_t>(NumElements(*k));
   const size_t v_floats = v->dtype == DType::kF32 ? 0 : static_cast<size_t>(NumElements(*v));
   // The K copy ends on a 64-byte boundary so that V's rows start aligned too.
   const size_t k_padded = (k_floats + 15) / 16 * 16;
-  const size_t need = k_padded + v_floats;
-  if (cap < need) {
-    auto grown = hwy::AllocateAligned<float>(need);
-    if (!grown) {
-      return Status::Error(Code::kOutOfMemory,
-                           "Attend: no memory for the f32 copy of K / V of different dtypes");
-    }
-    buf = std::move(grown);
-    cap = need;
+  float* copy = buf.Reserve(k_padded + v_floats);
+  if (copy == nullptr) {
+    return Status::Error(Code::kOutOfMemory,
+                         "Attend: no memory for the f32 copy of K / V of different dtypes");
   }
   // ViewToF32 keeps a view's dimension order: [Dv, Hkv, L] stays plain, [L, Dv, Hkv] permuted.
   const auto widen = [](TensorView* t, float* dst) {
     kernels::ViewToF32(*t, dst);
     *t = MakeView(dst, DType::kF32, {t->ne[0], t->ne[1], t->ne[2]});
   };
-  if (k_floats > 0) widen(k, buf.get());
-  if (v_floats > 0) widen(v, buf.get() + k_padded);
+  if (k_floats > 0) widen(k, copy);
+  if (v_floats > 0) widen(v, copy + k_padded);
   return Status::Ok();
 }
 

@@ -14,6 +14,7 @@
 #include "hwy/aligned_allocator.h"
 #include "hwy/cache_control.h"
 #include "kernels/attention.h"
+#include "kernels/grow_buffer.h"
 #include "layouts/quant.h"
 
 namespace kv::kernels {
@@ -178,24 +179,16 @@ struct LineCursor {
   }
 };
 
-// One 64-byte-aligned float buffer per thread (three: `which`) that only grows. Growth is geometric
-// with a 256 KiB floor: the visible-span table needs B * (L / 2 + 1) entries, so growing to the
-// exact size reallocated on every other decode step as the history lengthened. With the floor a
-// single decoding sequence never reallocates below ~128K cells, and beyond that it reallocates
-// O(log L) times. Null when the buffer cannot grow: the old buffer and its size are kept, and the
-// caller gives up (ScratchFailed), so Attention reports it instead of writing through null.
+// One 64-byte-aligned float buffer per thread (three: `which`) that only grows (GrowBuffer), from
+// 256 KiB: the visible-span table needs B * (L / 2 + 1) entries, so growing to the exact size
+// reallocated on every other decode step as the history lengthened. With the floor a single
+// decoding sequence never reallocates below ~128K cells, and beyond that it reallocates O(log L)
+// times. Null when the buffer cannot grow: the caller gives up (ScratchFailed), so Attention
+// reports it instead of writing through null.
 [[nodiscard]] inline float* ThreadScratch(size_t floats, int which) {
-  constexpr size_t kMinFloats = size_t{1} << 16;
-  thread_local hwy::AlignedFreeUniquePtr<float[]> buf[3];
-  thread_local size_t cap[3] = {0, 0, 0};
-  if (cap[which] < floats) {
-    const size_t grown = std::max({floats, 2 * cap[which], kMinFloats});
-    auto fresh = hwy::AllocateAligned<float>(grown);
-    if (!fresh) return nullptr;
-    buf[which] = std::move(fresh);
-    cap[which] = grown;
-  }
-  return buf[which].get();
+  thread_local GrowBuffer buf[3] = {GrowBuffer(size_t{1} << 16), GrowBuffer(size_t{1} << 16),
+                                    GrowBuffer(size_t{1} << 16)};
+  return buf[which].Reserve(floats);
 }
 
 // mask[b * L + j]: row b (batch token), cell j.
