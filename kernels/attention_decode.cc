@@ -1372,6 +1372,15 @@ HWY_INLINE void CopyRow(char* HWY_RESTRICT dst, const char* HWY_RESTRICT src, si
   hn::StoreU(hn::LoadU(d8, s8 + bytes - N), d8, d + bytes - N);
 }
 
+// The mask of a copy's or a strided view's cells: `values` (row b's, one f32 per cell, packed)
+// read as row 0 of an f32 mask whatever row asks, so DecodeCells needs no other index.
+inline void UseRowMask(const float* values, TensorView* mask) {
+  mask->data = const_cast<float*>(values);
+  mask->dtype = DType::kF32;
+  mask->nb[0] = sizeof(float);
+  mask->nb[1] = 0;
+}
+
 // Cells `cells[0..n)` (ascending, all visible to row b) for every query head of KV head h, from a
 // contiguous copy: head h's K and V rows and row b's mask values are copied to per-thread scratch,
 // and DecodeCellsAllHeads runs on a Ctx whose views describe the copy as cells [0, n). Batched
@@ -1406,10 +1415,7 @@ template <DType T>
   g.v.data = vbuf;
   g.v.nb[1] = 0;
   g.v.nb[2] = vrb;
-  g.mask.data = mbuf;  // row b's values, read as row 0 of an f32 mask
-  g.mask.dtype = DType::kF32;
-  g.mask.nb[0] = sizeof(float);
-  g.mask.nb[1] = 0;
+  UseRowMask(mbuf, &g.mask);
   DecodeCellsAllHeads<T, false>(g, 0, b, 0, n, qs, rows,
                                 KPrefetch{n, n, 0, 0});  // the copy is in cache
   return true;
@@ -1438,10 +1444,7 @@ HWY_NOINLINE void DecodeStrided(const Ctx& c, int64_t h, int64_t b, int64_t c_fi
   g.k.nb[2] = kst * static_cast<size_t>(step);
   g.v.data = static_cast<char*>(c.v.data) + static_cast<size_t>(c_first) * vst;
   g.v.nb[2] = vst * static_cast<size_t>(step);
-  g.mask.data = mvals;  // row b's values, read as row 0 of an f32 mask
-  g.mask.dtype = DType::kF32;
-  g.mask.nb[0] = sizeof(float);
-  g.mask.nb[1] = 0;
+  UseRowMask(mvals, &g.mask);
   if (step > c.B) {
     DecodeCellsAllHeads<T, false>(g, h, b, 0, n, qs, rows, KPrefetch{n, n, 0, 0});
     return;
