@@ -328,6 +328,11 @@ HWY_INLINE void StoreScales(hn::Vec<DF> d, hn::Mask<DF> reference, float* id, ui
 // (0.5 would); checked against std::roundf for every f32 in [0, 2^24].
 struct Q8Kind {
   static constexpr size_t kBlockBytes = sizeof(BlockQ8_0);
+
+  // p + copysign(0.49999997f, p): truncated toward zero, roundf(p).
+  static HWY_INLINE hn::Vec<DF> AddHalfAway(hn::Vec<DF> p) {
+    return hn::Add(p, hn::CopySign(hn::Set(DF(), 0.49999997f), p));
+  }
   static constexpr void (*kReference)(const float*, void*) = &QuantizeBlockQ8_0;
 
   // Scales of the `count` <= kGroup blocks at src.
@@ -351,7 +356,6 @@ struct Q8Kind {
   // The codes of the block at src, given vid = 1/d in every lane.
   template <class S>
   static HWY_INLINE void Codes(const typename S::T* src, hn::Vec<DF> vid, void* block) {
-    const DF df;
 #if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
     // vcvttps2dq is trunc() for |t| < 2^31 (here |t| < 128) and vpmovdb keeps the low byte and
     // stores it: 5 instructions per 16 codes instead of 8 (Highway's TruncateTo is a vpshufb and
@@ -359,11 +363,10 @@ struct Q8Kind {
     static_assert(hn::MaxLanes(DF()) == 16, "one 512-bit vector: half a block");
     for (size_t k = 0; k < 32; k += 16) {
       const auto p = KeepRounded(hn::Mul(S::Load(src + k), vid));
-      const auto t = hn::Add(p, hn::CopySign(hn::Set(df, 0.49999997f), p));
+      const auto t = AddHalfAway(p);
       _mm_storeu_si128(reinterpret_cast<__m128i*>(Q8Codes(block) + k),
                        _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(t.raw)));
     }
-    return;
 #elif HWY_TARGET == HWY_AVX2
     // The same with AVX2's saturating packs (exact for |t| < 128): the 32 codes of the block in
     // lane order A0 B0 C0 D0 | A1 B1 C1 D1 (4-code groups of vectors A..D), put back in order by
@@ -372,21 +375,21 @@ struct Q8Kind {
     __m256i t[4];
     for (size_t k = 0; k < 4; ++k) {
       const auto p = KeepRounded(hn::Mul(S::Load(src + 8 * k), vid));
-      t[k] = _mm256_cvttps_epi32(hn::Add(p, hn::CopySign(hn::Set(df, 0.49999997f), p)).raw);
+      t[k] = _mm256_cvttps_epi32(AddHalfAway(p).raw);
     }
     const __m256i bytes =
         _mm256_packs_epi16(_mm256_packs_epi32(t[0], t[1]), _mm256_packs_epi32(t[2], t[3]));
     _mm256_storeu_si256(
         reinterpret_cast<__m256i*>(Q8Codes(block)),
         _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
-    return;
-#endif
+#else
+    const DF df;
     for (size_t k = 0; k < 32; k += hn::Lanes(df)) {
       const auto p = KeepRounded(hn::Mul(S::Load(src + k), vid));
-      const auto half = hn::Or(hn::And(p, hn::Set(df, -0.0f)), hn::Set(df, 0.49999997f));
-      hn::StoreU(LowByte(hn::Trunc(hn::Add(p, half))), hn::Rebind<uint8_t, DF>(),
+      hn::StoreU(LowByte(hn::Trunc(AddHalfAway(p))), hn::Rebind<uint8_t, DF>(),
                  reinterpret_cast<uint8_t*>(Q8Codes(block)) + k);
     }
+#endif
   }
 };
 
