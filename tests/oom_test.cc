@@ -16,8 +16,8 @@
 #include "decode_driver.h"
 #include "gtest/gtest.h"
 #include "hwy/targets.h"
+#include "kernels/convert.h"
 #include "layouts/kv_layout.h"
-#include "layouts/quant.h"
 #include "malloc_hooks.h"
 #include "test_allocator.h"
 
@@ -171,20 +171,10 @@ struct AttendHistory {
   // [kD, kHkv, kL] in dtype: element i (in that order) is value(i).
   template <class Value>
   std::vector<uint8_t> Store(const Value& value) const {
-    const size_t row_bytes = RowBytes(dtype, kD);
-    std::vector<uint8_t> rows(row_bytes * kHkv * kL);
-    float src[kD];
-    for (int64_t r = 0; r < kHkv * kL; ++r) {
-      for (int64_t i = 0; i < kD; ++i) src[i] = value(r * kD + i);
-      uint8_t* row = rows.data() + static_cast<size_t>(r) * row_bytes;
-      if (dtype == DType::kQ8_0) {
-        for (int64_t blk = 0; blk < kD / 32; ++blk) {
-          QuantizeBlockQ8_0(src + 32 * blk, row + blk * BlockBytes(dtype));
-        }
-      } else {
-        for (int64_t i = 0; i < kD; ++i) StoreFromF32(row, dtype, i, src[i]);
-      }
-    }
+    std::vector<float> f32(kD * kHkv * kL);
+    for (size_t i = 0; i < f32.size(); ++i) f32[i] = value(static_cast<int64_t>(i));
+    std::vector<uint8_t> rows(RowBytes(dtype, kD) * kHkv * kL);
+    kernels::ConvertRow(f32.data(), DType::kF32, rows.data(), dtype, kD * kHkv * kL);
     return rows;
   }
   History Get() {
