@@ -50,10 +50,10 @@ namespace HWY_NAMESPACE {
 namespace hn = hwy::HWY_NAMESPACE;
 // Independent FMA chains: enough to cover an FMA's latency on two pipes (4 cycles x 2 = 8 in
 // flight) and few enough to stay in registers beside the two constants: 16 of AVX-512's 32
-// registers, 12 of the 16 that AVX2 and SSE4 have. With 16 chains on AVX2 GCC spilled
-// accumulators in every iteration, and the "peak" read 57.5 GFLOP/s on a Zen 3 core whose two
-// FMA pipes do 101 in a hand-written loop of 12 chains (session 21): prefill's fraction of it
-// came out 0.71 instead of 0.40.
+// registers, 12 of the 16 that AVX2 and SSE4 have. With 16 chains on AVX2 GCC spilled three
+// accumulators through the stack in every iteration, and the "peak" read 57.5-58.6 GFLOP/s on a
+// Zen 3 core whose two FMA pipes do 101 in a hand-written loop of 12 chains (session 21):
+// prefill's fraction of it came out 0.71-0.82 instead of 0.46.
 #if HWY_TARGET <= HWY_AVX3
 constexpr size_t kFmaChains = 16;
 #else
