@@ -110,17 +110,55 @@ HWY_INLINE void TransposeRegisters16x16(const float* src, int64_t src_stride, fl
 }
 #endif
 
+#if HWY_TARGET == HWY_AVX2
+// dst[c * dst_stride + r] = src[r * src_stride + c] for r, c < 8: an 8 x 8 float transpose in
+// registers (24 shuffles: 32-bit interleaves and 64-bit selects inside 128-bit lanes, then a
+// round of 128-bit lane swaps).
+HWY_INLINE void TransposeRegisters8x8(const float* src, int64_t src_stride, float* dst,
+                                      int64_t dst_stride) {
+  __m256 r[8], t[8];
+  for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(src + i * src_stride);
+  // t[2i], t[2i + 1]: rows 2i, 2i + 1 interleaved (columns 0, 1 / 2, 3 of each 128-bit lane).
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  // r[4g + c]: rows 4g .. 4g + 3 of column c (low lane) and column c + 4 (high lane).
+  for (int g = 0; g < 2; ++g) {
+    r[4 * g + 0] = _mm256_shuffle_ps(t[4 * g], t[4 * g + 2], 0x44);
+    r[4 * g + 1] = _mm256_shuffle_ps(t[4 * g], t[4 * g + 2], 0xEE);
+    r[4 * g + 2] = _mm256_shuffle_ps(t[4 * g + 1], t[4 * g + 3], 0x44);
+    r[4 * g + 3] = _mm256_shuffle_ps(t[4 * g + 1], t[4 * g + 3], 0xEE);
+  }
+  for (int c = 0; c < 4; ++c) {
+    _mm256_storeu_ps(dst + c * dst_stride, _mm256_permute2f128_ps(r[c], r[4 + c], 0x20));
+    _mm256_storeu_ps(dst + (c + 4) * dst_stride, _mm256_permute2f128_ps(r[c], r[4 + c], 0x31));
+  }
+}
+#endif
+
 // dst[d * dst_stride + r] = src[r * src_stride + d] for r < kRows, d < 16. On AVX-512 with
 // kRows == 16: a 16 x 16 float transpose in registers (64 shuffles: 32- and 64-bit interleaves
 // inside 128-bit blocks, then two rounds of 128-bit block shuffles; src and dst 64-byte aligned)
 // instead of 256 scalar stores strided by a tile row, which took ~6% of a prefill call (perf, f16,
-// head_dim 128, 1 thread). Other targets transpose with scalar stores.
+// head_dim 128, 1 thread). AVX2 transposes 8 x 8 blocks in registers likewise (the scalar stores
+// took ~4% of a prefill call there: perf, Zen 3, session 22). Other targets use scalar stores.
 template <int64_t kRows>
 HWY_INLINE void TransposeRowsBy16(const float* src, int64_t src_stride, float* dst,
                                   int64_t dst_stride) {
 #if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
   if constexpr (kRows == 16) {
     TransposeRegisters16x16(src, src_stride, dst, dst_stride);
+    return;
+  }
+#elif HWY_TARGET == HWY_AVX2
+  if constexpr (kRows % 8 == 0) {
+    for (int64_t r0 = 0; r0 < kRows; r0 += 8) {
+      for (int64_t d0 = 0; d0 < 16; d0 += 8) {
+        TransposeRegisters8x8(src + r0 * src_stride + d0, src_stride, dst + d0 * dst_stride + r0,
+                              dst_stride);
+      }
+    }
     return;
   }
 #endif
