@@ -283,6 +283,36 @@ void BM_DecodeQ8VsF16Interleaved(benchmark::State& state) {
   }
 }
 
+// Decode with 8 query heads per KV head against 4 (32 / 8 heads), calls alternating: time per
+// query head, so g8_vs_g4_per_head < 1 where a group of 8 costs less than two groups of 4 (below
+// AVX-512 it runs as two passes of 4 heads: see DecodeCellsAllHeads). Args: D, L, threads, q8.
+void BM_DecodeGroupOf8(benchmark::State& state) {
+  const int D = static_cast<int>(state.range(0));
+  const int L = static_cast<int>(state.range(1));
+  const int threads = static_cast<int>(state.range(2));
+  const kv::DType dt = state.range(3) != 0 ? kv::DType::kQ8_0 : kv::DType::kF16;
+  Setup s[2] = {MakeSetup(dt, D, 8, 4, L, 1, true), MakeSetup(dt, D, 8, 8, L, 1, true)};
+  kv::ThreadPool pool(threads);
+  kv::AttentionParams p;
+  for (Setup& x : s) {
+    if (!kv::Attend(x.qv, x.hist, p, &x.ov, &pool).ok())
+      return state.SkipWithError("Attend failed");
+  }
+  double best[2] = {1e30, 1e30};
+  for (auto _ : state) {
+    for (int i = 0; i < 2; ++i) {
+      const auto t0 = Clock::now();
+      (void)kv::Attend(s[i].qv, s[i].hist, p, &s[i].ov, &pool);
+      best[i] = std::min(best[i], Seconds(t0, Clock::now()));
+    }
+  }
+  state.counters["g4_us"] = best[0] * 1e6;
+  state.counters["g8_us"] = best[1] * 1e6;
+  state.counters["g8_vs_g4_per_head"] = (best[1] / 8) / (best[0] / 4);
+  state.SetLabel(std::string(dt == kv::DType::kF16 ? "f16" : "q8_0") + " D" + std::to_string(D) +
+                 " L" + std::to_string(L));
+}
+
 // Decode with its prefetches into L1 (prefetcht0) against L2 only (prefetcht2), f16 and q8_0
 // (integer_k and integer_v), calls alternating: l2_vs_l1 > 1 where L2 is faster. auto_l2 says
 // which level this CPU gets by default (kernels::ResolvePrefetchLevel). Args: D, L, threads.
@@ -535,6 +565,11 @@ BENCHMARK(BM_DecodeQ8VsF16Interleaved)
     ->Apply(LongHistoryArgs)
     ->Unit(benchmark::kMicrosecond)
     ->MinTime(2.0)
+    ->UseRealTime();
+BENCHMARK(BM_DecodeGroupOf8)
+    ->ArgsProduct({{64, 128}, {32768}, {1}, {0, 1}})
+    ->Unit(benchmark::kMicrosecond)
+    ->MinTime(1.0)
     ->UseRealTime();
 BENCHMARK(BM_DecodePrefetchLevels)
     ->Apply(LongHistoryArgs)
