@@ -52,10 +52,19 @@ using attn::kRowPad;
 // ---- prefill
 // -------------------------------------------------------------------------------------
 
-// Cells per tile: 4 vectors on AVX-512. The narrower targets take the same 64 cells (8 AVX2
-// vectors), which halves the per-row, per-tile softmax bookkeeping that 4 of their vectors
-// (32 cells) paid: 1 thread 3% faster (f16, head_dim 128, 512 x 4096, Zen 3, session 22).
+// Cells per tile: 4 vectors on AVX-512. The narrower targets take 128 cells (16 AVX2 vectors):
+// each row pays a fixed softmax bookkeeping per tile (the max's and the sum's reductions, the
+// rescale of its accumulators, a scalar exp), which 4 of their vectors (32 cells) spread over too
+// few FMAs. Zen 3, f16, 512 x 4096, 1 thread, session 22: 64 cells 3% faster than 32 at head_dim
+// 128; 128 cells faster again than 64 in 11 of 14 alternating runs at head_dim 64 (best 259 against
+// 276 ms) and 12 of 14 at 128 (458 against 474 ms). A task's scratch (query and state rows, K and
+// V tiles, scores) is then ~204 KiB at head_dim 64 and ~336 KiB at 128 for its 128 query rows:
+// inside the Zen 3's 512 KiB L2.
+#if HWY_TARGET <= HWY_AVX3
 constexpr int64_t kTC = 64;
+#else
+constexpr int64_t kTC = 128;
+#endif
 
 // Row j of K or V (any dtype) to f32, zero-padded to `padded` floats.
 template <DType T>
