@@ -109,7 +109,7 @@ HWY_INLINE float BlockScale(const void* row, int64_t blk) {
 // x = k ln2 + r with |r| <= ln2 / 2 (ln2 split in two so that k ln2 is exact), e^r by its Taylor
 // series to degree 7 in FMAs (truncation < 6e-9 relative, under half an ULP), 2^k built in the
 // exponent field: at most 0.93 ULP from e^x (a scalar copy of these steps against double exp, every
-// 4th float of [-87, 0]), exact at x == 0. 16 operations against the ~25 of Highway's general Exp
+// 4th float of [-87, 0]), exact at x == 0. 17 operations against the ~25 of Highway's general Exp
 // (which covers the whole range and denormals) on a path that runs once per score: prefill and
 // decode 2-5% faster per call (f16 / q8_0, head_dim 64 / 128, calls alternating in one process).
 // On AVX-512 vscalefps forms p * 2^k from k as a float (13 operations): the same result bit for
