@@ -55,7 +55,7 @@
 // 0.59-0.65 of the 1-thread read bandwidth (bound by arithmetic there) and 0.9-1.0 of the 2-thread
 // one; q8_0 is 0.95-1.22x as fast per call as f16 (its f32 V pass does f16's FMAs plus its code
 // conversions), 1.06-1.42x with integer_k. Prefill, 512 x 4096 at head_dim 128, runs at ~0.77 of
-// the FMA peak measured in the same run (0.56-0.69 on the AVX2 target of a Zen 3, session 22). The
+// the FMA peak measured in the same run (0.75 on the AVX2 target of a Zen 3, session 22). The
 // dispatched AVX-512 decode is ~1.4x the same code pinned to AVX2. The README's Performance section
 // has the current table, perf/HISTORY.md the earlier machines and runs.
 //
