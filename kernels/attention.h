@@ -31,8 +31,8 @@
 //     acc) partials that one merge pass combines: Hkv * chunks * B * G * (Dv + 2) floats, small
 //     next to the history.
 //   prefill (B large): tasks are (KV head, tile of Bt = clamp(128 / G, 1, 64) batch rows); each
-//     tile of 64 cells is converted to f32 once (K transposed, V as rows) and reused by the
-//     Bt * G (~128) query rows of the task from L1/L2.
+//     tile of 64 cells (128 below AVX-512) is converted to f32 once (K transposed, V as rows)
+//     and reused by the Bt * G (~128) query rows of the task from L1/L2.
 //     Traffic = Hkv * R * L_box * ceil(B / Bt) from the cache hierarchy (L_box: the cells inside
 //     the tile's visible box; tiles outside it are skipped), plus Q and out once. FLOPs =
 //     4 * B * Hq * D * L_box, so per byte of K/V streamed the kernel does ~Bt * G * 4 * D / R

@@ -124,9 +124,9 @@ HWY_INLINE VF SoftmaxExp(DF df, VF x) {
   // k by adding 1.5 * 2^23: the sum rounds to an integer (to even, as Round does) and keeps k in
   // its low mantissa bits, which the shift below moves into 2^k's exponent, so no float -> int
   // conversion (Highway's ConvertTo adds 4 operations of out-of-range fix-up on AVX2 that
-  // |k| <= 126 never needs). The product stays rounded on its own (KeepRounded: fused into an FMA
-  // it would round ties differently): the same k, bit for bit, as Round (all 2^32 inputs checked,
-  // session 22).
+  // -126 <= k <= 127 never needs). The product stays rounded on its own (KeepRounded: fused into an
+  // FMA it would round ties differently): the same k, bit for bit, as Round (all 2^32 inputs
+  // checked, session 22).
   const VF magic = hn::Set(df, 12582912.0f);
   const VF k_plus_magic =
       hn::Add(KeepRounded(hn::Mul(x, hn::Set(df, 1.44269504088896341f))), magic);
