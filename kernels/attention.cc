@@ -269,6 +269,18 @@ HWY_INLINE void TileAccumRows(DF df, const float* p, const float* vt, int64_t Dv
   for (; i < Dvp; i += kN) TileAccum<kR, 1>(df, p, vt, Dvp, i, acc, acc_stride);
 }
 
+// Calls f.template operator()<kR>(r) for blocks of kR rows covering rows [0, R): kTileRows at a
+// time, then (below AVX-512, whose 6-row blocks leave up to 5) two, then one.
+template <class F>
+HWY_INLINE void ForEachRowBlock(int64_t R, const F& f) {
+  int64_t r = 0;
+  for (; r + kTileRows <= R; r += kTileRows) f.template operator()<kTileRows>(r);
+  if constexpr (kTileRows > 4) {
+    for (; r + 2 <= R; r += 2) f.template operator()<2>(r);
+  }
+  for (; r < R; ++r) f.template operator()<1>(r);
+}
+
 template <DType T, bool kPermV>
 void PrefillTask(const Ctx& c, int64_t task) {
   const DF df;
@@ -346,16 +358,11 @@ void PrefillTask(const Ctx& c, int64_t task) {
       }
     }
     // Scores for every row, kTileRows rows at a time.
-    int64_t r = 0;
-    for (; r + kTileRows <= R; r += kTileRows) {
-      TileScoresRows<kTileRows>(df, qs + r * c.Dp, c.Dp, c.D, kt, sc + r * kTC);
-    }
-    if constexpr (kTileRows > 4) {  // rows left over from 6: two at a time, then one
-      for (; r + 2 <= R; r += 2) TileScoresRows<2>(df, qs + r * c.Dp, c.Dp, c.D, kt, sc + r * kTC);
-    }
-    for (; r < R; ++r) TileScoresRows<1>(df, qs + r * c.Dp, c.Dp, c.D, kt, sc + r * kTC);
+    ForEachRowBlock(R, [&]<int kR>(int64_t r) {
+      TileScoresRows<kR>(df, qs + r * c.Dp, c.Dp, c.D, kt, sc + r * kTC);
+    });
     // Softcap, mask, online softmax per row; p overwrites s (0 where hidden).
-    for (r = 0; r < R; ++r) {
+    for (int64_t r = 0; r < R; ++r) {
       const int64_t b = b0 + r / c.G;
       float* s = sc + r * kTC;
       float* row = st + r * rs;
@@ -424,13 +431,9 @@ void PrefillTask(const Ctx& c, int64_t task) {
       row[c.Dvp] = m_new;
       row[c.Dvp + 1] += hn::GetLane(hn::SumOfLanes(df, vsum));
     }
-    for (r = 0; r + kTileRows <= R; r += kTileRows) {
-      TileAccumRows<kTileRows>(df, sc + r * kTC, vt, c.Dvp, st + r * rs, rs);
-    }
-    if constexpr (kTileRows > 4) {  // rows left over from 6: two at a time, then one
-      for (; r + 2 <= R; r += 2) TileAccumRows<2>(df, sc + r * kTC, vt, c.Dvp, st + r * rs, rs);
-    }
-    for (; r < R; ++r) TileAccumRows<1>(df, sc + r * kTC, vt, c.Dvp, st + r * rs, rs);
+    ForEachRowBlock(R, [&]<int kR>(int64_t r) {
+      TileAccumRows<kR>(df, sc + r * kTC, vt, c.Dvp, st + r * rs, rs);
+    });
   }
   // Finish: sink, divide, write.
   for (int64_t r = 0; r < R; ++r) {

@@ -450,15 +450,17 @@ HWY_INLINE VF LoadK(DF df, const void* row, int64_t i, int64_t D, VF scale) {
 // v, held in a register. DotHeads2 loads each query vector once for both rows, but GCC folds the
 // load into both FMAs as a memory operand and so loads it twice: 10 loads per 8 FMAs in the f16 K
 // loop instead of 6. Forcing it into a register made f16 decode 2-5% faster per call on the Zen 3
-// (AVX2, head_dim 64 / 128, 4096 and 32768 cells, 1 thread, calls alternating; session 22). Only
-// the 16-register targets, and only float K: q8_0's loop there already spills (forced, it ran
-// 0.98-0.99x); on AVX-512 DotHeads2 serves only the rows DotHeads4 leaves.
+// (AVX2, head_dim 64 / 128, 4096 and 32768 cells, 1 thread, calls alternating; session 22). The
+// empty asm of KeepRounded (kernels/fp_barrier-inl.h) does it: a value the optimizer cannot see
+// through must be in a register. Only below AVX-512 (a no-op where there is no FMA), and only for
+// float K: q8_0's loop there already spills (forced, it ran 0.98-0.99x); on AVX-512 DotHeads2
+// serves only the rows DotHeads4 leaves.
 HWY_INLINE VF InRegister(VF v) {
-#if (HWY_TARGET == HWY_AVX2 || HWY_TARGET == HWY_SSE4 || HWY_TARGET == HWY_SSSE3) && \
-    (defined(__GNUC__) || defined(__clang__))
-  asm("" : "+v"(v.raw));
-#endif
+#if HWY_TARGET <= HWY_AVX3
   return v;
+#else
+  return KeepRounded(v);
+#endif
 }
 
 // Two K rows at once: each q vector loaded once for both rows (the K loop is load-port bound).
