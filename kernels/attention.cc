@@ -20,6 +20,7 @@
 #include "kernels/attention.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -467,14 +468,27 @@ namespace kv::kernels {
 HWY_EXPORT(PrefillImpl);
 
 namespace {
-// AMD family 19h: Zen 3 and Zen 4 (Zen 5 is 1Ah).
-bool IsAmdFamily19h() {
+// cpuid leaf 0's vendor string ("AuthenticAMD", "GenuineIntel") in ebx, edx, ecx order, or 12
+// zero bytes where there is no cpuid.
+std::array<uint32_t, 3> CpuVendor() {
+  std::array<uint32_t, 3> vendor{};
 #if (defined(__GNUC__) || defined(__clang__)) && (defined(__x86_64__) || defined(__i386__))
   unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
-  if (__get_cpuid(0, &eax, &ebx, &ecx, &edx) == 0) return false;
-  // "AuthenticAMD" in ebx, edx, ecx.
-  const bool amd = ebx == 0x68747541u && edx == 0x69746e65u && ecx == 0x444d4163u;
-  if (!amd || __get_cpuid(1, &eax, &ebx, &ecx, &edx) == 0) return false;
+  if (__get_cpuid(0, &eax, &ebx, &ecx, &edx) != 0) vendor = {ebx, edx, ecx};
+#endif
+  return vendor;
+}
+
+bool IsIntel() {
+  return CpuVendor() == std::array<uint32_t, 3>{0x756e6547u, 0x49656e69u, 0x6c65746eu};
+}
+
+// AMD family 19h: Zen 3 and Zen 4 (Zen 5 is 1Ah).
+bool IsAmdFamily19h() {
+  if (CpuVendor() != std::array<uint32_t, 3>{0x68747541u, 0x69746e65u, 0x444d4163u}) return false;
+#if (defined(__GNUC__) || defined(__clang__)) && (defined(__x86_64__) || defined(__i386__))
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  if (__get_cpuid(1, &eax, &ebx, &ecx, &edx) == 0) return false;
   const unsigned base = (eax >> 8) & 0xFu;
   const unsigned family = base == 0xFu ? base + ((eax >> 20) & 0xFFu) : base;
   return family == 0x19u;
@@ -487,6 +501,12 @@ bool IsAmdFamily19h() {
 PrefetchLevel ResolvePrefetchLevel(PrefetchLevel requested) {
   if (requested != PrefetchLevel::kAuto) return requested;
   static const PrefetchLevel resolved = IsAmdFamily19h() ? PrefetchLevel::kL2 : PrefetchLevel::kL1;
+  return resolved;
+}
+
+QuantVScaling ResolveQuantVScaling(QuantVScaling requested) {
+  if (requested != QuantVScaling::kAuto) return requested;
+  static const QuantVScaling resolved = IsIntel() ? QuantVScaling::kWeights : QuantVScaling::kCodes;
   return resolved;
 }
 
@@ -503,6 +523,7 @@ bool Attention(const TensorView& q, const TensorView& k, const TensorView& v,
   c.out = *out;
   c.p = params;
   c.p.prefetch = ResolvePrefetchLevel(params.prefetch);
+  c.p.quant_v_scaling = ResolveQuantVScaling(params.quant_v_scaling);
   c.D = k.ne[0];
   c.Hkv = k.ne[1];
   c.L = k.ne[2];

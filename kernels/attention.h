@@ -86,6 +86,15 @@ enum class PrefetchLevel : uint8_t {
   kL2,    // prefetcht2: into L2 only; the loads bring the lines into L1
 };
 
+// How decode's f32 V pass over quantized plain V (q8_0, q4_0) applies the block scales. Both give
+// the reference's sums within the f32 pass's rounding (attention_decode.cc derives the difference).
+enum class QuantVScaling : uint8_t {
+  kAuto,     // by CPU (ResolveQuantVScaling): kWeights on Intel, kCodes elsewhere
+  kCodes,    // each row's codes times their block's scale, once per row (shared by the heads)
+  kWeights,  // each softmax weight times its cell's block scale; the codes FMAed unscaled. AVX-512
+             // only (narrower targets run kCodes)
+};
+
 struct AttentionKernelParams {
   float scale = 0;               // already resolved by the caller (never 0 here unless intended)
   float softcap = 0;             // 0: none
@@ -114,6 +123,8 @@ struct AttentionKernelParams {
   bool copy_strided_spans = false;
   // kAuto unless a benchmark compares the two (perf/bench_attention.cc).
   PrefetchLevel prefetch = PrefetchLevel::kAuto;
+  // kAuto unless a test or benchmark compares the two.
+  QuantVScaling quant_v_scaling = QuantVScaling::kAuto;
 };
 
 // kAuto resolved for this CPU (cpuid, read once); kL1 / kL2 as given. On the Zen 4 EPYC of
@@ -121,6 +132,12 @@ struct AttentionKernelParams {
 // 1 and 2 threads; in cache the same): prefetcht0 requests stalled on L1's miss buffers. The Zen 5
 // EPYC of sessions 10-13 was measured with kL1 throughout (its L1 prefetches kept up).
 PrefetchLevel ResolvePrefetchLevel(PrefetchLevel requested);
+
+// kAuto resolved for this CPU (cpuid vendor, read once); kCodes / kWeights as given. On the Intel
+// Xeon of session 23 (512-bit arithmetic on two ports), kWeights made q8_0 decode ~10% faster per
+// call at 32768 cells on 1 thread; on the Zen 4 EPYC of session 15 it was 2-7% slower
+// (perf/HISTORY.md). bench_attention's BM_DecodeQuantVScaling measures both.
+QuantVScaling ResolveQuantVScaling(QuantVScaling requested);
 
 // A parallel-for: run must call task(ctx, i) exactly once for every i in [0, n), from any threads,
 // and return when all calls have returned. Tasks write disjoint memory. run == nullptr: run inline.

@@ -313,6 +313,18 @@ void BM_DecodeGroupOf8(benchmark::State& state) {
                  " L" + std::to_string(L));
 }
 
+// One call of the kernel entry (kernels::Attention: its params have knobs that the public Attend
+// keeps at kAuto), in seconds. Aborts if the scratch could not grow.
+double TimedKernelCall(Setup& s, const kv::kernels::AttentionKernelParams& kp,
+                       const kv::kernels::ParallelForFn& pf) {
+  const auto t0 = Clock::now();
+  if (!kv::kernels::Attention(s.qv, s.hist.k, s.hist.v, s.hist.mask, kp, pf, &s.ov)) {
+    std::fprintf(stderr, "bench_attention: out of memory in Attention's scratch\n");
+    std::abort();
+  }
+  return Seconds(t0, Clock::now());
+}
+
 // Decode with its prefetches into L1 (prefetcht0) against L2 only (prefetcht2), f16 and q8_0
 // (integer_k and integer_v), calls alternating: l2_vs_l1 > 1 where L2 is faster. auto_l2 says
 // which level this CPU gets by default (kernels::ResolvePrefetchLevel). Args: D, L, threads.
@@ -335,15 +347,7 @@ void BM_DecodePrefetchLevels(benchmark::State& state) {
           l == 0 ? kv::kernels::PrefetchLevel::kL1 : kv::kernels::PrefetchLevel::kL2;
     }
   }
-  const auto call = [&](int t, int l) {
-    const auto t0 = Clock::now();
-    if (!kv::kernels::Attention(s[t].qv, s[t].hist.k, s[t].hist.v, s[t].hist.mask, kp[t][l], pf,
-                                &s[t].ov)) {
-      std::fprintf(stderr, "bench_attention: out of memory in Attention's scratch\n");
-      std::abort();
-    }
-    return Seconds(t0, Clock::now());
-  };
+  const auto call = [&](int t, int l) { return TimedKernelCall(s[t], kp[t][l], pf); };
   for (int t = 0; t < 2; ++t)
     for (int l = 0; l < 2; ++l) (void)call(t, l);  // warm up
   double best[2][2] = {{1e30, 1e30}, {1e30, 1e30}};
@@ -360,6 +364,46 @@ void BM_DecodePrefetchLevels(benchmark::State& state) {
   state.counters["auto_l2"] =
       kv::kernels::ResolvePrefetchLevel(kv::kernels::PrefetchLevel::kAuto) ==
       kv::kernels::PrefetchLevel::kL2;
+}
+
+// Decode over quantized V with the block scales applied to the codes (kCodes) against the
+// softmax weights (kWeights), q8_0 and q4_0 (default K pass), calls alternating:
+// weights_vs_codes > 1 where kWeights is faster. auto_weights says which this CPU gets by default
+// (kernels::ResolveQuantVScaling). kWeights is AVX-512 only: elsewhere both columns run kCodes.
+// Args: D, L, threads.
+void BM_DecodeQuantVScaling(benchmark::State& state) {
+  const int D = static_cast<int>(state.range(0));
+  const int L = static_cast<int>(state.range(1));
+  const int threads = static_cast<int>(state.range(2));
+  Setup s[2] = {MakeSetup(kv::DType::kQ8_0, D, 8, 4, L, 1, true),
+                MakeSetup(kv::DType::kQ4_0, D, 8, 4, L, 1, true)};
+  kv::ThreadPool pool(threads);
+  const kv::ParallelFor par = pool.AsParallelFor();
+  const kv::kernels::ParallelForFn pf{par.run, par.user, par.num_threads};
+  kv::kernels::AttentionKernelParams kp[2];  // [scaling]
+  for (int w = 0; w < 2; ++w) {
+    kp[w].scale = 1.0f / std::sqrt(static_cast<float>(D));
+    kp[w].mode = kv::kernels::AttentionMode::kDecode;
+    kp[w].quant_v_scaling =
+        w == 0 ? kv::kernels::QuantVScaling::kCodes : kv::kernels::QuantVScaling::kWeights;
+  }
+  for (int t = 0; t < 2; ++t)
+    for (int w = 0; w < 2; ++w) (void)TimedKernelCall(s[t], kp[w], pf);  // warm up
+  double best[2][2] = {{1e30, 1e30}, {1e30, 1e30}};
+  for (auto _ : state) {
+    for (int t = 0; t < 2; ++t)
+      for (int w = 0; w < 2; ++w)
+        best[t][w] = std::min(best[t][w], TimedKernelCall(s[t], kp[w], pf));
+  }
+  const char* names[2] = {"q8", "q4"};
+  for (int t = 0; t < 2; ++t) {
+    state.counters[std::string(names[t]) + "_codes_us"] = best[t][0] * 1e6;
+    state.counters[std::string(names[t]) + "_weights_us"] = best[t][1] * 1e6;
+    state.counters[std::string(names[t]) + "_weights_vs_codes"] = best[t][0] / best[t][1];
+  }
+  state.counters["auto_weights"] =
+      kv::kernels::ResolveQuantVScaling(kv::kernels::QuantVScaling::kAuto) ==
+      kv::kernels::QuantVScaling::kWeights;
 }
 
 // Batched decode as kvperf's default leaves the cache: 4 sequences with 2048-token prompts of
@@ -574,6 +618,11 @@ BENCHMARK(BM_DecodeGroupOf8)
     ->UseRealTime();
 BENCHMARK(BM_DecodePrefetchLevels)
     ->Apply(LongHistoryArgs)
+    ->Unit(benchmark::kMicrosecond)
+    ->MinTime(2.0)
+    ->UseRealTime();
+BENCHMARK(BM_DecodeQuantVScaling)
+    ->ArgsProduct({{64, 128}, {4096, 32768}, {1, 2}})
     ->Unit(benchmark::kMicrosecond)
     ->MinTime(2.0)
     ->UseRealTime();

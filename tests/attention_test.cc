@@ -266,6 +266,7 @@ struct Run {
   bool integer_v = false;
   bool integer_k = false;
   bool float_k = false;
+  kernels::QuantVScaling quant_v_scaling = kernels::QuantVScaling::kAuto;
 };
 
 // Integer V pass (AttentionKernelParams::integer_v, AVX3_DL only; other targets run the f32 pass):
@@ -285,13 +286,18 @@ constexpr double kIntegerVTol = 16.0 / 65536.0;
 
 // One case, one reference, several kernel runs (modes x thread counts).
 void CheckCase(const Case& c, std::initializer_list<Run> given) {
-  // Every decode run over quantized plain V is repeated with the integer V pass, and over q8_0
+  // Every decode run over quantized plain V is repeated with the integer V pass and with each
+  // way of applying the block scales in the f32 V pass (kAuto is one of them), and over q8_0
   // with the integer K pass, alone and with integer V.
   std::vector<Run> runs(given);
   for (const Run& r : given) {
     const bool decode =
         r.mode == AttentionMode::kDecode || (r.mode == AttentionMode::kAuto && c.B < 8);
-    if (decode && IsQuantized(c.dt) && !c.perm) runs.push_back({r.mode, r.pool, true});
+    if (decode && IsQuantized(c.dt) && !c.perm) {
+      runs.push_back({r.mode, r.pool, true});
+      for (auto scaling : {kernels::QuantVScaling::kCodes, kernels::QuantVScaling::kWeights})
+        runs.push_back({r.mode, r.pool, false, false, false, scaling});
+    }
     if (decode && c.dt == DType::kQ8_0) {
       runs.push_back({r.mode, r.pool, false, true});
       runs.push_back({r.mode, r.pool, true, true});
@@ -355,7 +361,8 @@ void CheckCase(const Case& c, std::initializer_list<Run> given) {
     SCOPED_TRACE("mode=" + std::to_string(static_cast<int>(run.mode)) +
                  " threads=" + std::to_string(run.pool ? run.pool->NumThreads() : 1) +
                  " integer_v=" + std::to_string(run.integer_v) + " integer_k=" +
-                 std::to_string(run.integer_k) + " float_k=" + std::to_string(run.float_k));
+                 std::to_string(run.integer_k) + " float_k=" + std::to_string(run.float_k) +
+                 " quant_v_scaling=" + std::to_string(static_cast<int>(run.quant_v_scaling)));
     const bool decode =
         run.mode == AttentionMode::kDecode || (run.mode == AttentionMode::kAuto && c.B < 8);
     const bool k24 = decode && c.dt == DType::kQ8_0 && !run.integer_k && !run.float_k;
@@ -366,6 +373,7 @@ void CheckCase(const Case& c, std::initializer_list<Run> given) {
     kp.integer_v = run.integer_v;
     kp.integer_k = run.integer_k;
     kp.float_k = run.float_k;
+    kp.quant_v_scaling = run.quant_v_scaling;
     std::fill(out.begin(), out.end(), 12345.0f);
     EXPECT_TRUE(kernels::Attention(qv, h.k, h.v, mv, kp, pf, &ov));
     double maxerr = 0;
@@ -881,11 +889,15 @@ TEST_P(AttentionTest, NonFiniteStoredVPropagates) {
     int ref_nonfinite = 0;
     for (float x : ref) ref_nonfinite += !std::isfinite(x);
     EXPECT_EQ(ref_nonfinite, B * sd.G * (dt == DType::kF16 ? 1 : 32));
-    for (int run = 0; run < 3; ++run) {
-      if (run == 2 && dt == DType::kF16) continue;
+    // Runs: decode, prefill, decode with integer V, decode with each scaling of the f32 V pass.
+    for (int run = 0; run < 5; ++run) {
+      if (run >= 2 && dt == DType::kF16) continue;
       SCOPED_TRACE("run " + std::to_string(run));
       kp.mode = run == 1 ? AttentionMode::kPrefill : AttentionMode::kDecode;
       kp.integer_v = run == 2;
+      kp.quant_v_scaling = run == 3   ? kernels::QuantVScaling::kCodes
+                           : run == 4 ? kernels::QuantVScaling::kWeights
+                                      : kernels::QuantVScaling::kAuto;
       EXPECT_TRUE(kernels::Attention(sd.qv, h.k, h.v, TensorView{}, kp, {}, &ov));
       for (size_t i = 0; i < out.size(); ++i) {
         ASSERT_EQ(std::isnan(out[i]), std::isnan(ref[i])) << i << " out=" << out[i];
@@ -895,6 +907,63 @@ TEST_P(AttentionTest, NonFiniteStoredVPropagates) {
         } else if (std::isinf(ref[i])) {
           ASSERT_EQ(out[i], ref[i]) << i;
         }
+      }
+    }
+  }
+}
+
+// QuantVScaling (kernels/attention.h): kAuto resolves to one of the two ways; kWeights runs on
+// AVX-512 targets (its outputs differ from kCodes' in rounding only) and elsewhere gives kCodes'
+// bits. Then both against the reference (CheckCase runs each) with head dims of an odd number of
+// blocks (96, 160: a block left over after the two-block passes), 4 and 8 query heads per KV head,
+// q8_0 and q4_0, a history long enough for several 128-cell pieces and 2 threads.
+TEST_P(AttentionTest, QuantVScalingRunsWhereImplemented) {
+  using kernels::QuantVScaling;
+  EXPECT_NE(kernels::ResolveQuantVScaling(QuantVScaling::kAuto), QuantVScaling::kAuto);
+  EXPECT_EQ(kernels::ResolveQuantVScaling(QuantVScaling::kCodes), QuantVScaling::kCodes);
+  EXPECT_EQ(kernels::ResolveQuantVScaling(QuantVScaling::kWeights), QuantVScaling::kWeights);
+  const int64_t best = hwy::SupportedTargets() & -hwy::SupportedTargets();
+  const bool avx512 = best <= HWY_AVX3;  // AVX3 or better (AVX3_DL)
+  for (DType dt : {DType::kQ8_0, DType::kQ4_0}) {
+    for (int G : {4, 8}) {
+      SCOPED_TRACE(std::string(DTypeName(dt)) + " G=" + std::to_string(G) +
+                   " target=" + TargetNow());
+      std::mt19937 rng(80u);
+      TestHistory h = MakeHistory(dt, SmallDecode::D, SmallDecode::D, SmallDecode::Hkv,
+                                  SmallDecode::L, false, rng);
+      const SmallDecode sd(rng, 1.0f, G);
+      std::vector<float> out[2];
+      for (int i = 0; i < 2; ++i) {
+        kernels::AttentionKernelParams kp;
+        kp.scale = 0.125f;
+        kp.mode = AttentionMode::kDecode;
+        kp.quant_v_scaling = i == 0 ? QuantVScaling::kCodes : QuantVScaling::kWeights;
+        TensorView ov = sd.Out(&out[i]);
+        EXPECT_TRUE(kernels::Attention(sd.qv, h.k, h.v, TensorView{}, kp, {}, &ov));
+      }
+      double maxdiff = 0;
+      for (size_t i = 0; i < out[0].size(); ++i)
+        maxdiff = std::max(maxdiff, std::fabs(static_cast<double>(out[0][i]) - out[1][i]));
+      EXPECT_LE(maxdiff, 1e-6);  // max|V| <= 1: both within the f32 pass's rounding
+      if (avx512) {
+        EXPECT_GT(maxdiff, 0.0);
+      } else {
+        EXPECT_EQ(maxdiff, 0.0);
+      }
+    }
+  }
+  ThreadPool pool2(2);
+  for (DType dt : {DType::kQ8_0, DType::kQ4_0}) {
+    for (int D : {96, 160}) {
+      for (int G : {4, 8}) {
+        Case c;
+        c.dt = dt;
+        c.D = c.Dv = D;
+        c.G = G;
+        c.B = 2;
+        c.L = 700;
+        c.mask = MaskKind::kMultiSeq;
+        CheckCase(c, {{AttentionMode::kDecode, nullptr}, {AttentionMode::kDecode, &pool2}});
       }
     }
   }

@@ -523,9 +523,15 @@ int main(int argc, char** argv) {
               kv::kernels::PrefetchLevel::kL2
           ? "L2"
           : "L1";
+  const char* quant_v_scaling =
+      kv::kernels::ResolveQuantVScaling(kv::kernels::QuantVScaling::kAuto) ==
+              kv::kernels::QuantVScaling::kWeights
+          ? "weights"
+          : "codes";
   report["machine"] = {{"cpu", cpu},
                        {"attention_highway_target", attention_target},
                        {"decode_prefetch", prefetch_level},
+                       {"decode_quant_v_scaling", quant_v_scaling},
                        {"threads", threads},
                        {"hardware_threads", std::thread::hardware_concurrency()},
                        {"read_bandwidth_bytes_per_s", ctx.read_bw},
@@ -589,8 +595,9 @@ int main(int argc, char** argv) {
       "%d threads, measured before each run; each run's ratios use its own figure)\n",
       cpu.c_str(), threads, bw_min * 1e-9, bw_max * 1e-9, threads);
   std::printf(
-      "kernels: attention on Highway target %s; decode prefetches into %s (kernels/attention.h)\n",
-      attention_target, prefetch_level);
+      "kernels: attention on Highway target %s; decode prefetches into %s and applies q8_0 / q4_0 "
+      "V block scales to the %s (kernels/attention.h)\n",
+      attention_target, prefetch_level, quant_v_scaling);
   // Idle pool workers spin briefly before sleeping, so this overstates useful work a little; far
   // below `threads` it says the machine was shared and every absolute figure is pessimistic.
   std::printf(
