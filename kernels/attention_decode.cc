@@ -19,7 +19,8 @@
 // - otherwise DotHeads4 (kG == 4), DotHeads2 and DotHeads: f32 FMAs per row, then a transposing
 //   reduction of the partial sums (QuadSums).
 // The V pass: AccumPlain (float), AccumQuant (quantized: each row's codes scaled once, shared by
-// the heads), AccumQuantInt (integer_v, opt-in), AccumPermuted (permuted V).
+// the heads; or, QuantVScaling::kWeights on Intel AVX-512, the softmax weights scaled instead),
+// AccumQuantInt (integer_v, opt-in), AccumPermuted (permuted V).
 //
 // Cost, per cell and KV head (Zen 4: one 512-bit FMA per cycle; 1 thread, head_dim 64, 4 query
 // heads per KV head, history in cache): f16 ~12.9 ns, of which the 32 FMAs of the two passes alone
