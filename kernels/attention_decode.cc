@@ -185,19 +185,54 @@ constexpr int64_t kVChunks = 2;
 // vector conversion), which cost ~1.5 ns per cell and KV head at head_dim 64 (3.5 at 128) on the
 // Zen 4 against the one multiply per 16 codes here: q8_0 decode 3-4% faster per call in cache, 2%
 // (head_dim 64) and 7% (128) from DRAM at 32768 cells (1 thread, old and new alternating).
-// Walks over the cells (calls of next_k.Issue per cell) of one AccumQuantGroup<T, kG, kC>.
+// Walks over the cells (calls of next_k.Issue per cell) of one AccumQuantGroup<T, kG, kC, ..>.
 constexpr int64_t QuantGroupWalks(int64_t kC) {
   const int64_t pass = kC * static_cast<int64_t>(kN);
   return pass >= 32 ? 1 : 32 / pass;
 }
 
-template <DType T, int kG, int64_t kC>
+// Where AccumQuantGroup's kScaleWeights form is compiled: AVX-512, whose passes cover whole blocks.
+#if HWY_TARGET <= HWY_AVX3
+constexpr bool kHasScaledWeights = true;
+#else
+constexpr bool kHasScaledWeights = false;
+#endif
+
+// kScaleWeights (QuantVScaling::kWeights, AVX-512 only; kernels/attention.h): the same sums with
+// the block scale moved from the codes to the weights, w[lb][g][j] = p[g][j] * d_j (vd:
+// GatherScales' output), formed once per group of blocks, 16 cells per multiply, so that the
+// walk over the cells issues per 16 codes only the widen and convert beside the heads' FMAs
+// (kCodes: also a multiply, and per cell and block a scale load, conversion and broadcast).
+// Intel's cores run 512-bit arithmetic on two ports, and there that is what bounds the pass: q8_0
+// decode 1.09-1.11x faster per call in cache, 0.94-1.09x from memory, where it runs near the
+// memory's pace too (Xeon, session 23). Zen 4 issues the conversions beside its FMAs, and the
+// scale gather cost more than the multiplies it saves (session 15: 2-7% slower).
+// Rounding: the reference forms p * (d * code), d * code exact (|code| <= 127 has 7 bits, an f16
+// scale 11); here p * d is rounded once more, a relative 2^-24 per term, within the f32 pass's
+// own rounding. Non-finite scales propagate as there: inf * code and 0 * inf as the reference's.
+template <DType T, int kG, int64_t kC, bool kScaleWeights>
 HWY_INLINE void AccumQuantGroup(DF df, const char* vrow0, size_t vstride, int64_t n, int64_t blk0,
-                                const float* p, int64_t p_stride, float* acc, int64_t acc_stride,
-                                LineCursor& next_k) {
+                                const float* p, int64_t p_stride, const float* vd, float* acc,
+                                int64_t acc_stride, LineCursor& next_k) {
   constexpr int64_t kPass = kC * static_cast<int64_t>(kN);
   constexpr int64_t kBlocks = kPass >= 32 ? kPass / 32 : 1;
   constexpr int64_t kSpan = kBlocks * 32;
+  static_assert(!kScaleWeights || kPass % 32 == 0, "scaled weights: whole blocks per pass");
+  // kScaleWeights: w[lb][g][j] = p[g][j] * d_j for the group's blocks (vd: GatherScales' output).
+  HWY_ALIGN float w[kScaleWeights ? kBlocks : 1][kScaleWeights ? kG : 1]
+                   [kScaleWeights ? kScaleStride : 1];
+  if constexpr (kScaleWeights) {
+    const int64_t padded = static_cast<int64_t>(attn::Pad(n));
+    for (int64_t lb = 0; lb < kBlocks; ++lb) {
+      const float* d = vd + (blk0 + lb) * kScaleStride;
+      for (int g = 0; g < kG; ++g) {
+        for (int64_t j = 0; j < padded; j += kN) {
+          hn::Store(hn::Mul(hn::Load(df, p + g * p_stride + j), hn::Load(df, d + j)), df,
+                    &w[lb][g][j]);
+        }
+      }
+    }
+  }
   for (int64_t i = blk0 * 32; i < blk0 * 32 + kSpan; i += kPass) {
     VF a[kC][kG];
     for (int64_t c = 0; c < kC; ++c)
@@ -206,66 +241,27 @@ HWY_INLINE void AccumQuantGroup(DF df, const char* vrow0, size_t vstride, int64_
       const char* vr = vrow0 + static_cast<size_t>(j) * vstride;
       next_k.Issue();
       VF d[kBlocks];
-      for (int64_t lb = 0; lb < kBlocks; ++lb) d[lb] = hn::Set(df, BlockScale<T>(vr, i / 32 + lb));
+      if constexpr (!kScaleWeights) {
+        for (int64_t lb = 0; lb < kBlocks; ++lb)
+          d[lb] = hn::Set(df, BlockScale<T>(vr, i / 32 + lb));
+      }
       for (int64_t c = 0; c < kC; ++c) {
         const int64_t lb = c * static_cast<int64_t>(kN) / 32;
-        const VF vv = hn::Mul(LoadCodes<T>(df, vr, i + c * kN), d[lb]);
-        for (int g = 0; g < kG; ++g) a[c][g] = MulAddBroadcast(&p[g * p_stride + j], vv, a[c][g]);
+        VF vv = LoadCodes<T>(df, vr, i + c * kN);
+        if constexpr (!kScaleWeights) vv = hn::Mul(vv, d[lb]);
+        for (int g = 0; g < kG; ++g) {
+          if constexpr (kScaleWeights) {
+            a[c][g] = MulAddBroadcast(&w[lb][g][j], vv, a[c][g]);
+          } else {
+            a[c][g] = MulAddBroadcast(&p[g * p_stride + j], vv, a[c][g]);
+          }
+        }
       }
     }
     for (int64_t c = 0; c < kC; ++c)
       for (int g = 0; g < kG; ++g) hn::Store(a[c][g], df, acc + g * acc_stride + i + c * kN);
   }
 }
-
-#if HWY_TARGET <= HWY_AVX3
-// QuantVScaling::kWeights (AVX-512 only; kernels/attention.h): the same sums with the block scale
-// moved from the codes to the weights, w[lb][g][j] = p[g][j] * d_j (vd: GatherScales' output),
-// formed once per group of blocks, 16 cells per multiply, so that the walk over the cells issues
-// per 16 codes only the widen and convert beside the heads' FMAs (kCodes: also a multiply, and
-// per cell and block a scale load, conversion and broadcast). Intel's cores run 512-bit
-// arithmetic on two ports, and there that is what bounds the pass: q8_0 decode ~10% faster per
-// call at 32768 cells on 1 thread (Xeon, session 23). Zen 4 issues the conversions beside its
-// FMAs, and the scale gather cost more than the multiplies it saves (session 15: 2-7% slower).
-// Rounding: the reference forms p * (d * code), d * code exact (|code| <= 127 has 7 bits, an f16
-// scale 11); here p * d is rounded once more, a relative 2^-24 per term, within the f32 pass's
-// own rounding. Non-finite scales propagate as there: inf * code and 0 * inf as the reference's.
-template <DType T, int kG, int64_t kC>
-HWY_INLINE void AccumQuantGroupScaledWeights(DF df, const char* vrow0, size_t vstride, int64_t n,
-                                             int64_t blk0, const float* p, int64_t p_stride,
-                                             const float* vd, float* acc, int64_t acc_stride,
-                                             LineCursor& next_k) {
-  constexpr int64_t kPass = kC * static_cast<int64_t>(kN);
-  static_assert(kPass % 32 == 0, "a pass covers whole blocks: one walk over the cells per group");
-  constexpr int64_t kBlocks = kPass / 32;
-  HWY_ALIGN float w[kBlocks][kG][kScaleStride];
-  const int64_t padded = static_cast<int64_t>(attn::Pad(n));
-  for (int64_t lb = 0; lb < kBlocks; ++lb) {
-    const float* d = vd + (blk0 + lb) * kScaleStride;
-    for (int g = 0; g < kG; ++g) {
-      for (int64_t j = 0; j < padded; j += kN) {
-        hn::Store(hn::Mul(hn::Load(df, p + g * p_stride + j), hn::Load(df, d + j)), df,
-                  &w[lb][g][j]);
-      }
-    }
-  }
-  const int64_t i = blk0 * 32;
-  VF a[kC][kG];
-  for (int64_t c = 0; c < kC; ++c)
-    for (int g = 0; g < kG; ++g) a[c][g] = hn::Load(df, acc + g * acc_stride + i + c * kN);
-  for (int64_t j = 0; j < n; ++j) {
-    const char* vr = vrow0 + static_cast<size_t>(j) * vstride;
-    next_k.Issue();
-    for (int64_t c = 0; c < kC; ++c) {
-      const int64_t lb = c * static_cast<int64_t>(kN) / 32;
-      const VF codes = LoadCodes<T>(df, vr, i + c * kN);
-      for (int g = 0; g < kG; ++g) a[c][g] = MulAddBroadcast(&w[lb][g][j], codes, a[c][g]);
-    }
-  }
-  for (int64_t c = 0; c < kC; ++c)
-    for (int g = 0; g < kG; ++g) hn::Store(a[c][g], df, acc + g * acc_stride + i + c * kN);
-}
-#endif
 
 template <DType T, int kG>
 HWY_INLINE void AccumQuant(DF df, const char* vrow0, size_t vstride, int64_t n, int64_t Dv,
@@ -277,31 +273,28 @@ HWY_INLINE void AccumQuant(DF df, const char* vrow0, size_t vstride, int64_t n, 
   constexpr int64_t kC1 = 32 / static_cast<int64_t>(kN) < kC ? 32 / static_cast<int64_t>(kN) : kC;
   next_k.Spread(
       n * ((Dv / 32 / kBlocks) * QuantGroupWalks(kC) + (Dv / 32 % kBlocks) * QuantGroupWalks(kC1)));
-  int64_t blk = 0;
-#if HWY_TARGET <= HWY_AVX3
-  if (scaling == QuantVScaling::kWeights) {
-    // The V rows were asked for during the K pass: the scales gather from cache.
-    HWY_ALIGN float vd[kAttentionMaxHeadDim / 32][kScaleStride];
-    GatherScales<T>(df, vrow0, vstride, n, Dv / 32, &vd[0][0]);
+  const auto groups = [&]<bool kScaleWeights>(const float* vd) {
+    int64_t blk = 0;
     for (; blk + kBlocks <= Dv / 32; blk += kBlocks) {
-      AccumQuantGroupScaledWeights<T, kG, kC>(df, vrow0, vstride, n, blk, p, p_stride, &vd[0][0],
-                                              acc, acc_stride, next_k);
+      AccumQuantGroup<T, kG, kC, kScaleWeights>(df, vrow0, vstride, n, blk, p, p_stride, vd, acc,
+                                                acc_stride, next_k);
     }
-    for (; blk < Dv / 32; ++blk) {
-      AccumQuantGroupScaledWeights<T, kG, kC1>(df, vrow0, vstride, n, blk, p, p_stride, &vd[0][0],
-                                               acc, acc_stride, next_k);
+    for (; blk < Dv / 32; ++blk) {  // a block left over (Dv / 32 odd with two-block passes)
+      AccumQuantGroup<T, kG, kC1, kScaleWeights>(df, vrow0, vstride, n, blk, p, p_stride, vd, acc,
+                                                 acc_stride, next_k);
     }
-    return;
+  };
+  if constexpr (kHasScaledWeights) {
+    if (scaling == QuantVScaling::kWeights) {
+      // The V rows were asked for during the K pass: the scales gather from cache.
+      HWY_ALIGN float vd[kAttentionMaxHeadDim / 32][kScaleStride];
+      GatherScales<T>(df, vrow0, vstride, n, Dv / 32, &vd[0][0]);
+      groups.template operator()<true>(&vd[0][0]);
+      return;
+    }
   }
-#else
-  (void)scaling;  // kWeights is AVX-512 only (not implemented or measured on narrower targets)
-#endif
-  for (; blk + kBlocks <= Dv / 32; blk += kBlocks) {
-    AccumQuantGroup<T, kG, kC>(df, vrow0, vstride, n, blk, p, p_stride, acc, acc_stride, next_k);
-  }
-  for (; blk < Dv / 32; ++blk) {  // a block left over (Dv / 32 odd with two-block passes)
-    AccumQuantGroup<T, kG, kC1>(df, vrow0, vstride, n, blk, p, p_stride, acc, acc_stride, next_k);
-  }
+  // kWeights is AVX-512 only (not implemented or measured on narrower targets).
+  groups.template operator()<false>(nullptr);
 }
 
 #if HWY_TARGET == HWY_AVX3_DL
@@ -399,7 +392,8 @@ HWY_INLINE void AccumQuantInt(DF df, const char* vrow0, size_t vstride, int64_t 
       dinv[grp] = dmax[grp] > 0.0f ? 32767.0f / dmax[grp] : 0.0f;
     }
     if (!finite) {  // inf / NaN scales: the f32 path, which propagates them
-      AccumQuantGroup<T, kG, 2>(df, vrow0, vstride, n, blk, p, p_stride, acc, acc_stride, next_k);
+      AccumQuantGroup<T, kG, 2, false>(df, vrow0, vstride, n, blk, p, p_stride, nullptr, acc,
+                                       acc_stride, next_k);
       continue;
     }
     for (int g = 0; g < kG; ++g) {
