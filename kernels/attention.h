@@ -137,9 +137,10 @@ struct AttentionKernelParams {
 PrefetchLevel ResolvePrefetchLevel(PrefetchLevel requested);
 
 // kAuto resolved for this CPU (cpuid vendor, read once); kCodes / kWeights as given. On the Intel
-// Xeon of session 23 (512-bit arithmetic on two ports), kWeights made q8_0 decode ~10% faster per
-// call at 32768 cells on 1 thread; on the Zen 4 EPYC of session 15 it was 2-7% slower
-// (perf/HISTORY.md). bench_attention's BM_DecodeQuantVScaling measures both.
+// Xeon of session 23 (512-bit arithmetic on two ports), kWeights made q8_0 decode 1.13-1.14x
+// faster per call in cache and 0.94-1.09x from memory (where q8_0 nears the memory's pace too); on
+// the Zen 4 EPYC of session 15 it was 2-7% slower (perf/HISTORY.md). bench_attention's
+// BM_DecodeQuantVScaling measures both.
 QuantVScaling ResolveQuantVScaling(QuantVScaling requested);
 
 // A parallel-for: run must call task(ctx, i) exactly once for every i in [0, n), from any threads,

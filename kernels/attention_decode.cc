@@ -204,9 +204,9 @@ constexpr bool kHasScaledWeights = false;
 // walk over the cells issues per 16 codes only the widen and convert beside the heads' FMAs
 // (kCodes: also a multiply, and per cell and block a scale load, conversion and broadcast).
 // Intel's cores run 512-bit arithmetic on two ports, and there that is what bounds the pass: q8_0
-// decode 1.09-1.11x faster per call in cache, 0.94-1.09x from memory, where it runs near the
-// memory's pace too (Xeon, session 23). Zen 4 issues the conversions beside its FMAs, and the
-// scale gather cost more than the multiplies it saves (session 15: 2-7% slower).
+// decode 1.13-1.14x faster per call in cache (with GatherScales' gather), 0.94-1.09x from memory,
+// where it runs near the memory's pace too (Xeon, session 23). Zen 4 issues the conversions beside
+// its FMAs, and the scale gather cost more than the multiplies it saves (session 15: 2-7% slower).
 // Rounding: the reference forms p * (d * code), d * code exact (|code| <= 127 has 7 bits, an f16
 // scale 11); here p * d is rounded once more, a relative 2^-24 per term, within the f32 pass's
 // own rounding. Non-finite scales propagate as there: inf * code and 0 * inf as the reference's.
