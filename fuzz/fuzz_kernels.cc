@@ -386,6 +386,11 @@ void FuzzAttention(Reader& r) {
   kp.integer_v = r.OneIn(2);  // AVX3_DL decode over q8_0 / q4_0 plain V: int16 weights
   kp.integer_k = r.OneIn(2);  // AVX3_DL decode over q8_0 K: int16 query rows
   kp.float_k = r.OneIn(2);    // without integer_k: the f32 K pass instead of the 24-bit one
+  // Decode's f32 V pass over q8_0 / q4_0: the block scale on the codes or (AVX-512) the weights.
+  const kv::kernels::QuantVScaling scalings[] = {kv::kernels::QuantVScaling::kAuto,
+                                                 kv::kernels::QuantVScaling::kCodes,
+                                                 kv::kernels::QuantVScaling::kWeights};
+  kp.quant_v_scaling = r.Pick(scalings);
   std::vector<float> out(static_cast<size_t>(Dv * B * Hq), 12345.0f), ref(out.size(), -1.0f);
   TensorView ov = kv::MakeView(out.data(), DType::kF32, {Dv, B, Hq});
   TensorView rv = kv::MakeView(ref.data(), DType::kF32, {Dv, B, Hq});
