@@ -112,23 +112,36 @@ constexpr int64_t kPairPatternFloatsPerDim = 16;
 // the gather and the copies measured the same, ~8% of an in-cache q8_0 decode either way; on the
 // Xeon of session 23 the gather made QuantVScaling::kWeights' q8_0 / q4_0 decode 2-3.5% faster
 // per call (in cache, 1 thread, head_dim 64 / 128, two alternating runs).
+#if HWY_TARGET <= HWY_AVX3
+// Byte offsets of rows 0..15, `stride` apart (the caller keeps 15 * stride < 2^31).
+HWY_INLINE __m512i RowOffsets16(size_t stride) {
+  return _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                            _mm512_set1_epi32(static_cast<int32_t>(stride)));
+}
+
+// The f16 block scales of up to 16 quantized rows as f32, one gather: the dword at each row's
+// block start (block0 + row_offsets[r]) holds the scale, then code bytes of the same block. Rows
+// outside `valid` are not read and give 0.
+HWY_INLINE __m512 GatherBlockScales16(const char* block0, __m512i row_offsets,
+                                      __mmask16 valid = 0xFFFF) {
+  return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(
+      _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), valid, row_offsets, block0, 1)));
+}
+#endif
+
 template <DType T>
 HWY_INLINE void GatherScales(DF df, const char* row0, size_t stride, int64_t n, int64_t nblk,
                              float* out) {
 #if HWY_TARGET <= HWY_AVX3
   if (stride * static_cast<size_t>(attn::Pad(n)) < (size_t{1} << 31)) {  // int32 offsets
-    const __m512i offsets =
-        _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                           _mm512_set1_epi32(static_cast<int32_t>(stride)));
+    const __m512i offsets = RowOffsets16(stride);
     for (int64_t blk = 0; blk < nblk; ++blk) {
       const char* p = row0 + static_cast<size_t>(blk) * BlockBytes(T);
       for (int64_t j = 0; j < n; j += 16) {
         const __mmask16 valid =
             n - j >= 16 ? __mmask16{0xFFFF} : static_cast<__mmask16>((1u << (n - j)) - 1);
-        const __m512i dwords = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), valid, offsets,
-                                                           p + static_cast<size_t>(j) * stride, 1);
         _mm512_store_ps(out + blk * kScaleStride + j,
-                        _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dwords)));
+                        GatherBlockScales16(p + static_cast<size_t>(j) * stride, offsets, valid));
       }
     }
     return;
@@ -997,9 +1010,7 @@ HWY_INLINE bool IntDotHeads16(const char* krow0, size_t kstride, const int8_t* q
   __m512 acc[kH];
   for (int g = 0; g < kH; ++g) acc[g] = _mm512_setzero_ps();
   // Byte offsets of rows 0..15 for the scales' gather (the caller keeps 15 * kstride < 2^31).
-  const __m512i row_offsets =
-      _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                         _mm512_set1_epi32(static_cast<int32_t>(kstride)));
+  const __m512i row_offsets = RowOffsets16(kstride);
   const __m512i offset_codes = _mm512_set1_epi8(static_cast<char>(0x80));
   const auto codes = [&](int64_t r, int64_t blk) {
     return reinterpret_cast<const __m256i*>(krow0 + static_cast<size_t>(r) * kstride +
@@ -1035,9 +1046,8 @@ HWY_INLINE bool IntDotHeads16(const char* krow0, size_t kstride, const int8_t* q
       kt[i] = _mm512_shuffle_i64x2(u[i], u[4 + i], _MM_SHUFFLE(2, 0, 2, 0));
       kt[i + 4] = _mm512_shuffle_i64x2(u[i], u[4 + i], _MM_SHUFFLE(3, 1, 3, 1));
     }
-    // The rows' block scales (the f16 in the low half of the dword at the block's start).
-    const __m512 scale = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_i32gather_epi32(
-        row_offsets, krow0 + static_cast<size_t>(blk) * BlockBytes(DType::kQ8_0), 1)));
+    const __m512 scale = GatherBlockScales16(
+        krow0 + static_cast<size_t>(blk) * BlockBytes(DType::kQ8_0), row_offsets);
     const int64_t per_block = (16 + D / 32 - 1) / (D / 32);
     // Unrolled, or GCC keeps acc[] on the stack and each head's update becomes a load, an FMA and
     // a store (perf: ~9% of a q8_0 call in cache).

@@ -347,6 +347,12 @@ void BM_DecodeGroupOf8(benchmark::State& state) {
                  " L" + std::to_string(L));
 }
 
+// The kernel entry's parallel-for over `pool` (what Attend passes it).
+kv::kernels::ParallelForFn KernelParallelFor(kv::ThreadPool& pool) {
+  const kv::ParallelFor par = pool.AsParallelFor();
+  return {par.run, par.user, par.num_threads};
+}
+
 // One call of the kernel entry (kernels::Attention: its params have knobs that the public Attend
 // keeps at kAuto), in seconds. Aborts if the scratch could not grow.
 double TimedKernelCall(Setup& s, const kv::kernels::AttentionKernelParams& kp,
@@ -370,8 +376,7 @@ void BM_DecodePrefetchLevels(benchmark::State& state) {
   Setup s[2] = {MakeSetup(kv::DType::kF16, D, 8, 4, L, 1, true),
                 MakeSetup(kv::DType::kQ8_0, D, 8, 4, L, 1, true)};
   kv::ThreadPool pool(threads);
-  const kv::ParallelFor par = pool.AsParallelFor();
-  const kv::kernels::ParallelForFn pf{par.run, par.user, par.num_threads};
+  const kv::kernels::ParallelForFn pf = KernelParallelFor(pool);
   kv::kernels::AttentionKernelParams kp[2][2];  // [dtype][level]
   for (int t = 0; t < 2; ++t) {
     for (int l = 0; l < 2; ++l) {
@@ -413,8 +418,7 @@ void BM_DecodeQuantVScaling(benchmark::State& state) {
   Setup s[2] = {MakeSetup(kv::DType::kQ8_0, D, 8, 4, L, 1, true),
                 MakeSetup(kv::DType::kQ4_0, D, 8, 4, L, 1, true)};
   kv::ThreadPool pool(threads);
-  const kv::ParallelFor par = pool.AsParallelFor();
-  const kv::kernels::ParallelForFn pf{par.run, par.user, par.num_threads};
+  const kv::kernels::ParallelForFn pf = KernelParallelFor(pool);
   kv::kernels::AttentionKernelParams kp[2];  // [scaling]
   for (int w = 0; w < 2; ++w) {
     kp[w].scale = 1.0f / std::sqrt(static_cast<float>(D));
@@ -504,8 +508,7 @@ void BM_DecodeBatchedInterleaved(benchmark::State& state) {
   const kv::TensorView qv = kv::MakeView(q.data(), kv::DType::kF32, {kD, rows, kHq});
   kv::TensorView ov = kv::MakeView(out.data(), kv::DType::kF32, {kD, rows, kHq});
   kv::ThreadPool pool(threads);
-  const kv::ParallelFor par = pool.AsParallelFor();
-  const kv::kernels::ParallelForFn pf{par.run, par.user, par.num_threads};
+  const kv::kernels::ParallelForFn pf = KernelParallelFor(pool);
   kv::kernels::AttentionKernelParams kp[2];  // [copy]
   for (int c = 0; c < 2; ++c) {
     kp[c].scale = 1.0f / std::sqrt(static_cast<float>(kD));
