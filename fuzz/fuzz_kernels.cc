@@ -356,8 +356,13 @@ void FuzzAttention(Reader& r) {
   const uint8_t mask_kind = r.U8() % 4;
   if (mask_kind != 0) {
     mask.assign(static_cast<size_t>(L * B) * kv::BlockBytes(mdt), 0);
+    int64_t lo = 0, hi = 0;
     for (int64_t i = 0; i < B; ++i) {
-      const int64_t lo = r.Int(0, static_cast<int>(L)), hi = r.Int(0, static_cast<int>(L));
+      // Often the previous row's cells again: decode runs rows that see the same cells together.
+      if (i == 0 || !r.OneIn(2)) {
+        lo = r.Int(0, static_cast<int>(L));
+        hi = r.Int(0, static_cast<int>(L));
+      }
       for (int64_t j = 0; j < L; ++j) {
         float m = (j >= lo && j <= hi) ? 0.0f : -INFINITY;
         if (mask_kind == 3 && m == 0.0f && (j * 13 + i) % 5 == 0) m = -1.5f;
@@ -391,6 +396,7 @@ void FuzzAttention(Reader& r) {
                                                  kv::kernels::QuantVScaling::kCodes,
                                                  kv::kernels::QuantVScaling::kWeights};
   kp.quant_v_scaling = r.Pick(scalings);
+  kp.rows_alone = r.OneIn(4);  // decode: each row walks its cells alone
   std::vector<float> out(static_cast<size_t>(Dv * B * Hq), 12345.0f), ref(out.size(), -1.0f);
   TensorView ov = kv::MakeView(out.data(), DType::kF32, {Dv, B, Hq});
   TensorView rv = kv::MakeView(ref.data(), DType::kF32, {Dv, B, Hq});

@@ -124,6 +124,11 @@ struct AttentionKernelParams {
   // the only way before session 20. Same cells, same order, same results; tests and benchmarks set
   // it to compare the two.
   bool copy_strided_spans = false;
+  // Decode: batch rows that see the same cells of a block run them together (their query heads in
+  // one group of up to 8); with this set each row walks its cells alone, as before session 24.
+  // Same cells, other groupings, so results differ in rounding only; tests and benchmarks set it
+  // to compare the two.
+  bool rows_alone = false;
   // kAuto unless a benchmark compares the two (perf/bench_attention.cc).
   PrefetchLevel prefetch = PrefetchLevel::kAuto;
   // kAuto unless a test or benchmark compares the two.

@@ -1182,9 +1182,12 @@ HWY_INLINE void AccumPermuted(DF df, const char* vhead, size_t dim_stride, int64
 // A NaN or +inf score (inf or NaN in Q or K) poisons its head's state: m becomes NaN, which
 // rescales acc and l to NaN here and in every later step, and the merge writes a NaN row (as the
 // reference). The max alone cannot tell (x86's max drops a NaN operand): a compare per vector.
+// Heads g0 .. g0 + kG of batch row b, where g0 + g >= G names head (g0 + g) % G of row
+// b + (g0 + g) / G (rows that see the same cells run together: DecodeHeadChunk); each head adds its
+// own row's mask values.
 template <int kG>
-HWY_INLINE void SoftmaxHeads(DF df, const Ctx& c, int64_t b, int64_t c0, int64_t n, float* s,
-                             int64_t s_stride, float* state, int64_t rs) {
+HWY_INLINE void SoftmaxHeads(DF df, const Ctx& c, int64_t b, int64_t g0, int64_t c0, int64_t n,
+                             float* s, int64_t s_stride, float* state, int64_t rs) {
   constexpr float kInf = std::numeric_limits<float>::infinity();
   const int64_t Dvp = c.Dvp;
   if (c.p.softcap != 0) {
@@ -1199,11 +1202,19 @@ HWY_INLINE void SoftmaxHeads(DF df, const Ctx& c, int64_t b, int64_t c0, int64_t
   }
   // Visible cells carry 0 in the caches' masks; other finite values are honoured. The caches
   // always pass a mask: vector loads (f32 / f16, elements packed) instead of a scalar per cell.
-  const char* mrow = nullptr;
-  if (c.mask.data != nullptr) {
-    mrow = static_cast<const char*>(c.mask.data) + static_cast<size_t>(b) * c.mask.nb[1] +
-           static_cast<size_t>(c0) * c.mask.nb[0];
+  int64_t mask_row[kG];  // the batch row of each head
+  const char* mrow[kG] = {};
+  bool new_row[kG];  // head g's row differs from head g - 1's: load its mask values
+  for (int g = 0; g < kG; ++g) {
+    mask_row[g] = b + (g0 + g) / c.G;
+    new_row[g] = g == 0 || mask_row[g] != mask_row[g - 1];
+    if (c.mask.data != nullptr) {
+      mrow[g] = static_cast<const char*>(c.mask.data) +
+                static_cast<size_t>(mask_row[g]) * c.mask.nb[1] +
+                static_cast<size_t>(c0) * c.mask.nb[0];
+    }
   }
+  const bool masked = c.mask.data != nullptr;
   const VF vinf = hn::Set(df, kInf);
   VF vmax[kG], bad[kG];  // bad: all bits set in lanes that saw a NaN or +inf
   for (int g = 0; g < kG; ++g) {
@@ -1213,11 +1224,11 @@ HWY_INLINE void SoftmaxHeads(DF df, const Ctx& c, int64_t b, int64_t c0, int64_t
   int64_t j = 0;
   for (; j + static_cast<int64_t>(kN) <= n; j += kN) {
     VF mv = hn::Zero(df);
-    if (mrow != nullptr) {
-      mv = c.mask.dtype == DType::kF16 ? LoadFloat<DType::kF16>(df, mrow, j)
-                                       : LoadFloat<DType::kF32>(df, mrow, j);
-    }
     for (int g = 0; g < kG; ++g) {
+      if (masked && new_row[g]) {
+        mv = c.mask.dtype == DType::kF16 ? LoadFloat<DType::kF16>(df, mrow[g], j)
+                                         : LoadFloat<DType::kF32>(df, mrow[g], j);
+      }
       const VF x = hn::Add(hn::Load(df, s + g * s_stride + j), mv);
       hn::Store(x, df, s + g * s_stride + j);
       vmax[g] = hn::Max(vmax[g], x);
@@ -1231,7 +1242,7 @@ HWY_INLINE void SoftmaxHeads(DF df, const Ctx& c, int64_t b, int64_t c0, int64_t
     bool poisoned = !hn::AllFalse(df, hn::MaskFromVec(bad[g]));
     for (int64_t t = tail; t < n; ++t) {
       float& x = s[g * s_stride + t];
-      if (mrow != nullptr) x += attn::MaskValue(c.mask, b, c0 + t);
+      if (masked) x += attn::MaskValue(c.mask, mask_row[g], c0 + t);
       mx = std::max(mx, x);
       poisoned = poisoned || !(x < kInf);
     }
@@ -1273,7 +1284,8 @@ HWY_INLINE void SoftmaxHeads(DF df, const Ctx& c, int64_t b, int64_t c0, int64_t
   }
 }
 
-// Cells [c0, c0 + n) (all visible to row b) for heads g0 .. g0 + kG of KV head h.
+// Cells [c0, c0 + n) for heads g0 .. g0 + kG of KV head h, counted from head 0 of batch row b
+// (past G they are the next rows' heads, SoftmaxHeads); every row they belong to sees every cell.
 //
 // Software prefetch keeps the memory busy through both passes: the K pass asks for this piece's V
 // rows, the V pass for the K rows that follow the piece (kp.next_from .. next_to), so the next
@@ -1413,7 +1425,7 @@ HWY_NOINLINE void DecodeCells(const Ctx& c, int64_t h, int64_t b, int64_t g0, in
   for (int g = 0; g < kG; ++g) {
     for (int64_t j = n; j < static_cast<int64_t>(attn::Pad(n)); ++j) s[g][j] = 0.0f;
   }
-  SoftmaxHeads<kG>(df, c, b, c0, n, &s[0][0], kBlockCells + kRowPad, state, rs);
+  SoftmaxHeads<kG>(df, c, b, g0, c0, n, &s[0][0], kBlockCells + kRowPad, state, rs);
   if constexpr (kPermV) {
     const char* vhead = static_cast<const char*>(c.v.data) + static_cast<size_t>(h) * c.v.nb[2];
     AccumPermuted<T, kG>(df, vhead, c.v.nb[1], c0, n, c.Dv, &s[0][0], kBlockCells + kRowPad, state,
@@ -1438,10 +1450,14 @@ HWY_NOINLINE void DecodeCells(const Ctx& c, int64_t h, int64_t b, int64_t g0, in
   }
 }
 
-// The first group of heads prefetches as kp says; the later groups find the rows in cache.
+// Every query head of KV head h in `n_rows` batch rows b, b + 1, .. that all see cells
+// [c0, c0 + n): their heads are consecutive in qs and rows ([row][G]), so groups of heads may span
+// rows. The first group of heads prefetches as kp says; the later groups find the rows in cache.
 template <DType T, bool kPermV>
 HWY_INLINE void DecodeCellsAllHeads(const Ctx& c, int64_t h, int64_t b, int64_t c0, int64_t n,
-                                    const QRows& qs, float* rows, KPrefetch kp) {
+                                    const QRows& qs, float* rows, KPrefetch kp,
+                                    int64_t n_rows = 1) {
+  const int64_t heads = n_rows * c.G;
   int64_t g = 0;
   const auto next_kp = [&] {
     const KPrefetch first = kp;
@@ -1449,18 +1465,18 @@ HWY_INLINE void DecodeCellsAllHeads(const Ctx& c, int64_t h, int64_t b, int64_t 
     return first;
   };
 #if HWY_TARGET <= HWY_AVX3
-  for (; g + 8 <= c.G; g += 8) DecodeCells<T, kPermV, 8>(c, h, b, g, c0, n, qs, rows, next_kp());
+  for (; g + 8 <= heads; g += 8) DecodeCells<T, kPermV, 8>(c, h, b, g, c0, n, qs, rows, next_kp());
 #endif
   // Below AVX-512, 8 heads at once need more than the 16 vector registers (16 K-pass and 16 V-walk
   // accumulators): two passes of 4 heads over the same cells, the second finding them in cache,
   // ran 13-18% faster per call (f16) and 5-11% (q8_0) with 8 query heads per KV head (Zen 3, AVX2,
   // head_dim 64 / 128, 4096 and 32768 cells, 1 thread, session 22).
-  for (; g + 4 <= c.G; g += 4) DecodeCells<T, kPermV, 4>(c, h, b, g, c0, n, qs, rows, next_kp());
-  if (c.G - g >= 2) {
+  for (; g + 4 <= heads; g += 4) DecodeCells<T, kPermV, 4>(c, h, b, g, c0, n, qs, rows, next_kp());
+  if (heads - g >= 2) {
     DecodeCells<T, kPermV, 2>(c, h, b, g, c0, n, qs, rows, next_kp());
     g += 2;
   }
-  if (c.G - g >= 1) DecodeCells<T, kPermV, 1>(c, h, b, g, c0, n, qs, rows, next_kp());
+  if (heads - g >= 1) DecodeCells<T, kPermV, 1>(c, h, b, g, c0, n, qs, rows, next_kp());
 }
 
 // Spans shorter than this are read together (DecodeStrided, DecodeGathered).
@@ -1673,37 +1689,89 @@ void DecodeHeadChunk(const Ctx& c, int64_t h, int64_t chunk) {
     cursor[b] = l;
   }
   RequestedRows asked{lo, lo};
-  const auto piece = [&](int64_t b, int64_t s0, int64_t n) {
+  const auto piece = [&](int64_t b, int64_t s0, int64_t n, int64_t n_rows) {
     const KPrefetch kp = attn::PlanKPrefetch(s0, n, hi, asked);
-    DecodeCellsAllHeads<T, kPermV>(c, h, b, s0, n, q_row(b), part + b * c.G * rs, kp);
+    DecodeCellsAllHeads<T, kPermV>(c, h, b, s0, n, q_row(b), part + b * c.G * rs, kp, n_rows);
+  };
+  // Row b's spans that meet [blk0, blk1), from cursor `cur` on: fn(s0, s1) for each nonempty
+  // intersection. `cur` stops at a span that goes on into the next block.
+  const auto walk_block = [&](int64_t b, int64_t& cur, int64_t blk0, int64_t blk1, auto&& fn) {
+    const int32_t* sp = c.spans + 2 * c.span_off[b];
+    const int64_t ns = c.span_off[b + 1] - c.span_off[b];
+    while (cur < ns && sp[2 * cur] < blk1) {
+      const int64_t s0 = std::max<int64_t>(sp[2 * cur], blk0);
+      const int64_t s1 = std::min<int64_t>(sp[2 * cur + 1], blk1);
+      if (s1 > s0) fn(s0, s1);
+      if (sp[2 * cur + 1] > blk1) break;  // the span goes on into the next block
+      ++cur;
+    }
+  };
+  const auto is_long = [](int64_t s0, int64_t s1) { return kPermV || s1 - s0 >= kShortSpan; };
+  // Consecutive rows that see the same piece of a block run it together (DecodeCellsAllHeads with
+  // n_rows > 1): a system prompt shared by the batch's sequences, or the older cells of a sequence
+  // with several tokens in the batch, then pays one pass over its K/V rows (conversions, K
+  // transposes) per group of up to 8 heads instead of one per row and group. Each row's pieces
+  // of the block are listed first; a piece run with an earlier row is skipped at its own row.
+  // DotHeadsPairs8's query patterns cover 4 heads of one row, so with them G % 4 == 0 is needed.
+  const bool combine_rows = c.B > 1 && !c.p.rows_alone && (!pairs || c.G % 4 == 0);
+  struct ListedPiece {
+    int32_t s0, n;
+    bool done;
+  };
+  constexpr int kMaxListed = 8;  // per row and block; a row with more pieces runs them alone
+  ListedPiece listed[kMaxB][kMaxListed];
+  int n_listed[kMaxB];  // -1: not listed (runs alone)
+  const auto find_listed = [&](int64_t b, int64_t s0, int64_t n) -> ListedPiece* {
+    for (int i = 0; i < n_listed[b]; ++i) {
+      if (listed[b][i].s0 == s0 && listed[b][i].n == n) return &listed[b][i];
+    }
+    return nullptr;
   };
   for (int64_t blk0 = lo; blk0 < hi; blk0 += kBlockCells) {
     const int64_t blk1 = std::min(hi, blk0 + kBlockCells);
+    for (int64_t b = 0; combine_rows && b < c.B; ++b) {
+      int64_t cur = cursor[b];
+      n_listed[b] = 0;
+      walk_block(b, cur, blk0, blk1, [&](int64_t s0, int64_t s1) {
+        if (!is_long(s0, s1) || n_listed[b] < 0) return;
+        if (n_listed[b] == kMaxListed) {
+          n_listed[b] = -1;
+          return;
+        }
+        listed[b][n_listed[b]++] = {static_cast<int32_t>(s0), static_cast<int32_t>(s1 - s0), false};
+      });
+    }
     for (int64_t b = 0; b < c.B; ++b) {
-      const int32_t* sp = c.spans + 2 * c.span_off[b];
-      const int64_t ns = c.span_off[b + 1] - c.span_off[b];
-      int64_t& cur = cursor[b];
       int32_t short_cells[kBlockCells];  // cells of this block's short spans, gathered
       int64_t n_short = 0, short_spans = 0;
-      while (cur < ns && sp[2 * cur] < blk1) {
-        const int64_t s0 = std::max<int64_t>(sp[2 * cur], blk0);
-        const int64_t s1 = std::min<int64_t>(sp[2 * cur + 1], blk1);
-        if (s1 > s0 && !kPermV && s1 - s0 < kShortSpan) {
+      walk_block(b, cursor[b], blk0, blk1, [&](int64_t s0, int64_t s1) {
+        if (!is_long(s0, s1)) {
           for (int64_t j = s0; j < s1; ++j) short_cells[n_short++] = static_cast<int32_t>(j);
           ++short_spans;
-        } else if (s1 > s0) {
-          piece(b, s0, s1 - s0);
+          return;
         }
-        if (sp[2 * cur + 1] > blk1) break;  // the span goes on into the next block
-        ++cur;
-      }
+        int64_t n_rows = 1;
+        if (combine_rows) {
+          if (ListedPiece* mine = find_listed(b, s0, s1 - s0)) {
+            if (mine->done) return;  // run with an earlier row
+            mine->done = true;
+            while (b + n_rows < c.B) {
+              ListedPiece* same = find_listed(b + n_rows, s0, s1 - s0);
+              if (same == nullptr || same->done) break;
+              same->done = true;
+              ++n_rows;
+            }
+          }
+        }
+        piece(b, s0, s1 - s0, n_rows);
+      });
       if constexpr (!kPermV) {
         int64_t step = n_short > 1 ? short_cells[1] - short_cells[0] : 0;
         for (int64_t i = 2; i < n_short && step > 0; ++i) {
           if (short_cells[i] - short_cells[i - 1] != step) step = 0;
         }
         if (short_spans == 1) {  // contiguous: nothing to gain from a copy
-          piece(b, short_cells[0], n_short);
+          piece(b, short_cells[0], n_short, 1);
         } else if (step > 1 && !c.p.copy_strided_spans) {  // every step-th cell: in place
           DecodeStrided<T>(c, h, b, short_cells[0], step, n_short, q_row(b), part + b * c.G * rs,
                            asked);

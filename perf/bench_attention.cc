@@ -540,6 +540,111 @@ void BM_DecodeBatchedInterleaved(benchmark::State& state) {
                  std::to_string(h.k.ne[2]) + " B " + std::to_string(rows));
 }
 
+// Batch rows that see the same cells, run together (the default) against each row alone
+// (AttentionKernelParams::rows_alone, as before session 24), calls alternating:
+// - shape 0, kvperf's default after 256 decode steps: 4 sequences share a 1024-token system prompt
+//   (CopyPrefix), each with a 1024-token prompt of its own and 256 interleaved decode tokens;
+// - shape 1, several tokens of one sequence (speculative decoding's check of 4 drafted tokens):
+//   4 rows at successive positions over a 4096-token history.
+// 8 KV heads x 64, 32 query heads. together_vs_alone > 1 where together is faster, from the best
+// calls and from the means. Args: q8 (0: f16, 1: q8_0), threads, shape.
+void BM_DecodeSharedCells(benchmark::State& state) {
+  const kv::DType dtype = state.range(0) != 0 ? kv::DType::kQ8_0 : kv::DType::kF16;
+  const int threads = static_cast<int>(state.range(1));
+  const bool one_sequence = state.range(2) != 0;
+  constexpr int kD = 64, kHkv = 8, kHq = 32, kRows = 4;
+  const int seqs = one_sequence ? 1 : 4, system = one_sequence ? 0 : 1024;
+  const int own = one_sequence ? 4096 : 1024, steps = one_sequence ? 0 : 256;
+  auto cache = kv::NewCausalCache();
+  std::vector<float> k(static_cast<size_t>(kD) * kHkv * 512), v(k.size());
+  std::vector<int32_t> pos(512), seq(512);
+  std::mt19937 rng(11);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  const auto put = [&](int n) {
+    for (float& x : k) x = u(rng);
+    for (float& x : v) x = u(rng);
+    kv::Batch b;
+    b.positions = std::span<const int32_t>(pos.data(), static_cast<size_t>(n));
+    b.sequences = std::span<const int32_t>(seq.data(), static_cast<size_t>(n));
+    if (!cache->StartForward(b, false).ok()) return false;
+    cache->SetLayer(0);
+    return cache
+        ->Put(kv::MakeView(k.data(), kv::DType::kF32, {kD, kHkv, n}),
+              kv::MakeView(v.data(), kv::DType::kF32, {kD, kHkv, n}))
+        .ok();
+  };
+  // A prompt of `len` tokens for sequence s from position p0, in batches of up to 512.
+  const auto prompt = [&](int s, int p0, int len) {
+    bool ok = true;
+    for (int t0 = 0; ok && t0 < len; t0 += 512) {
+      const int n = std::min(512, len - t0);
+      for (int i = 0; i < n; ++i) {
+        pos[i] = p0 + t0 + i;
+        seq[i] = s;
+      }
+      ok = put(n);
+    }
+    return ok;
+  };
+  bool ok = cache->Init(dtype, seqs, system + own + steps + kRows, 512).ok();
+  ok = ok && prompt(0, 0, system);
+  for (int s = 1; ok && s < seqs; ++s) ok = cache->CopyPrefix(0, s, system).ok();
+  for (int s = 0; ok && s < seqs; ++s) ok = prompt(s, system, own);
+  for (int t = 0; ok && t < steps; ++t) {
+    for (int s = 0; s < seqs; ++s) {
+      pos[s] = system + own + t;
+      seq[s] = s;
+    }
+    ok = put(seqs);
+  }
+  for (int r = 0; r < kRows; ++r) {  // the batch the calls serve
+    pos[r] = system + own + steps + (one_sequence ? r : 0);
+    seq[r] = one_sequence ? 0 : r;
+  }
+  ok = ok && put(kRows);
+  if (!ok) {
+    state.SkipWithError("building the cache failed");
+    return;
+  }
+  const kv::History h = cache->Get();
+  std::vector<float> q(static_cast<size_t>(kD) * kRows * kHq), out(q.size());
+  for (float& x : q) x = u(rng);
+  const kv::TensorView qv = kv::MakeView(q.data(), kv::DType::kF32, {kD, kRows, kHq});
+  kv::TensorView ov = kv::MakeView(out.data(), kv::DType::kF32, {kD, kRows, kHq});
+  kv::ThreadPool pool(threads);
+  const kv::kernels::ParallelForFn pf = KernelParallelFor(pool);
+  kv::kernels::AttentionKernelParams kp[2];  // [alone]
+  for (int c = 0; c < 2; ++c) {
+    kp[c].scale = 1.0f / std::sqrt(static_cast<float>(kD));
+    kp[c].rows_alone = c == 1;
+  }
+  const auto call = [&](int c) {
+    const auto t0 = Clock::now();
+    if (!kv::kernels::Attention(qv, h.k, h.v, h.mask, kp[c], pf, &ov)) {
+      std::fprintf(stderr, "bench_attention: out of memory in Attention's scratch\n");
+      std::abort();
+    }
+    return Seconds(t0, Clock::now());
+  };
+  (void)call(0);  // warm up
+  (void)call(1);
+  double best[2] = {1e30, 1e30}, sum[2] = {0, 0};
+  for (auto _ : state) {
+    for (int c = 0; c < 2; ++c) {
+      const double t = call(c);
+      best[c] = std::min(best[c], t);
+      sum[c] += t;
+    }
+  }
+  state.counters["together_us"] = best[0] * 1e6;
+  state.counters["alone_us"] = best[1] * 1e6;
+  state.counters["together_vs_alone"] = best[1] / best[0];
+  state.counters["mean_together_vs_alone"] = sum[1] / sum[0];
+  state.SetLabel(std::string(dtype == kv::DType::kF16 ? "f16" : "q8_0") +
+                 (one_sequence ? " one sequence, 4 tokens" : " shared prompt, 4 sequences") +
+                 " L " + std::to_string(h.k.ne[2]));
+}
+
 // Args: threads, head_dim (128: the shape; 64: kvperf's default model).
 void BM_Prefill(benchmark::State& state) {
   const int threads = static_cast<int>(state.range(0));
@@ -668,6 +773,11 @@ BENCHMARK(BM_DecodeBatchedInterleaved)
     ->ArgsProduct({{0, 1}, {1, 2}, {4, 1}})
     ->Unit(benchmark::kMicrosecond)
     ->MinTime(2.0)
+    ->UseRealTime();
+BENCHMARK(BM_DecodeSharedCells)
+    ->ArgsProduct({{0, 1}, {1, 2}, {0, 1}})
+    ->Unit(benchmark::kMicrosecond)
+    ->MinTime(1.0)
     ->UseRealTime();
 BENCHMARK(BM_Prefill)
     ->ArgsProduct({{1, 2}, {128, 64}})

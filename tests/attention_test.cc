@@ -137,8 +137,9 @@ const char* MaskName(MaskKind m) {
 // Returns mask storage ([L, B], f32 or f16); empty for kNone.
 // kInterleavedBias: four sequences as a batched decode leaves them: a shared prompt in the first
 // third, each sequence's own run of cells, then their decode tokens in interleaved cells (row b
-// sees those of sequence b % 4); visible cells carry finite, distinct biases instead of 0, so that
-// a kernel which pairs a cell with another cell's mask value is caught.
+// sees those of sequence b % 4); visible cells carry finite biases instead of 0, distinct from
+// cell to cell and from row to row, so that a kernel which pairs a cell with another cell's or
+// another row's mask value is caught (decode runs rows that see the same cells together).
 std::vector<uint8_t> BuildInterleavedBiasMask(int L, int B, DType mdt) {
   std::vector<uint8_t> out(static_cast<size_t>(L) * B * BlockBytes(mdt));
   const int prompt = L / 3, own = L / 3;
@@ -148,7 +149,7 @@ std::vector<uint8_t> BuildInterleavedBiasMask(int L, int B, DType mdt) {
       bool visible = j < prompt;
       if (j >= prompt && j < prompt + own) visible = (j - prompt) * 4 / own == s;
       if (j >= prompt + own) visible = (j - prompt - own) % 4 == s;
-      const float m = visible ? -0.05f * static_cast<float>(j % 11) : -kInf;
+      const float m = visible ? -0.05f * static_cast<float>((j + 5 * b) % 11) : -kInf;
       StoreFromF32(out.data(), mdt, static_cast<size_t>(b) * L + j, m);
     }
   }
@@ -157,8 +158,9 @@ std::vector<uint8_t> BuildInterleavedBiasMask(int L, int B, DType mdt) {
 
 // kSequenceRuns: three sequences in runs of 37 cells (not aligned to any tile or granule), the
 // batch's rows in three equal blocks, one per sequence, each row seeing its sequence's cells up to
-// its position (causal); visible cells carry distinct finite biases. A prefill task whose query
-// tile holds one block sees only every third run: it must skip the others and no more.
+// its position (causal); visible cells carry finite biases, distinct per cell and row. A prefill
+// task whose query tile holds one block sees only every third run: it must skip the others and no
+// more.
 std::vector<uint8_t> BuildSequenceRunsMask(int L, int B, DType mdt) {
   constexpr int kSeqs = 3, kRun = 37;
   std::vector<int32_t> pos(L), total(kSeqs, 0);
@@ -171,7 +173,7 @@ std::vector<uint8_t> BuildSequenceRunsMask(int L, int B, DType mdt) {
     const int32_t p = total[s] - 1 - after;
     for (int j = 0; j < L; ++j) {
       const bool visible = (j / kRun) % kSeqs == s && pos[j] <= p;
-      const float m = visible ? -0.05f * static_cast<float>(j % 11) : -kInf;
+      const float m = visible ? -0.05f * static_cast<float>((j + 5 * b) % 11) : -kInf;
       StoreFromF32(out.data(), mdt, static_cast<size_t>(b) * L + j, m);
     }
   }
@@ -982,6 +984,41 @@ TEST_P(AttentionTest, InterleavedSequencesWithBiases) {
         c.mask = MaskKind::kInterleavedBias;
         c.mask_dt = mdt;
         CheckCase(c, {{AttentionMode::kDecode, nullptr}, {AttentionMode::kPrefill, nullptr}});
+      }
+    }
+  }
+}
+
+// Decode runs consecutive batch rows that see the same piece of a block together, their heads
+// forming groups that span rows (DecodeHeadChunk): a shared prompt (kInterleavedBias: all rows,
+// then each row's own cells), rows of one sequence at successive positions (kCausal: the pieces
+// agree up to the newest cells), blocks of rows per sequence (kSequenceRuns), no mask (all rows,
+// every cell). Every group size 1 to 8 heads per row, so that groups straddle rows (3, 6) or not,
+// DotHeadsPairs8's case (f16, G 4 / 8, which combines) and its G 6 (which must not), masks with
+// per-row biases, 1 and 2 threads.
+TEST_P(AttentionTest, RowsSeeingTheSameCellsRunTogether) {
+  ThreadPool pool2(2);
+  const std::pair<DType, bool> layouts[] = {{DType::kF32, false},
+                                            {DType::kF16, false},
+                                            {DType::kF16, true},
+                                            {DType::kQ8_0, false},
+                                            {DType::kQ4_0, false}};
+  const MaskKind masks[] = {MaskKind::kInterleavedBias, MaskKind::kCausal, MaskKind::kSequenceRuns,
+                            MaskKind::kNone};
+  int i = 0;
+  for (auto [dt, perm] : layouts) {
+    for (int G : {1, 2, 3, 4, 6, 8}) {
+      for (MaskKind mask : masks) {
+        Case c;
+        c.dt = dt;
+        c.perm = perm;
+        c.G = G;
+        c.B = (i++ % 2 == 0) ? 7 : 3;
+        c.L = 300;
+        c.mask = mask;
+        c.mask_dt = i % 3 == 0 ? DType::kF16 : DType::kF32;
+        c.sinks = i % 4 == 0;
+        CheckCase(c, {{AttentionMode::kDecode, nullptr}, {AttentionMode::kDecode, &pool2}});
       }
     }
   }
