@@ -26,7 +26,9 @@
 //     128 cells, and inside the block serves every batch row and all Hq/Hkv query heads of its
 //     group from L1. Traffic = Hkv * R * |union over b of visible(b)|: one pass, independent of the
 //     GQA ratio and of B. Masked runs are skipped by range (spans found once per batch row), so
-//     hidden cells cost no traffic. The history is split into chunks across threads (flash
+//     hidden cells cost no traffic. Consecutive rows that see the same piece of a block run it
+//     together, their query heads in groups of up to 8 (a shared prompt, or several tokens of
+//     one sequence: one pass over the piece's rows per group instead of per row and group). The history is split into chunks across threads (flash
 //     decoding; KV heads are split too only when the chunks are too few); each task writes (m, l,
 //     acc) partials that one merge pass combines: Hkv * chunks * B * G * (Dv + 2) floats, small
 //     next to the history.
