@@ -19,6 +19,7 @@
 #include <cstring>
 #include <ctime>
 #include <map>
+#include <memory>
 #include <random>
 #include <string>
 #include <tuple>
@@ -445,25 +446,18 @@ void BM_DecodeQuantVScaling(benchmark::State& state) {
       kv::kernels::QuantVScaling::kWeights;
 }
 
-// Batched decode as kvperf's default leaves the cache: 4 sequences with 2048-token prompts of
-// their own, then 512 decode steps in one batch (the new tokens take turns in consecutive cells,
-// so each row sees every 4th cell of the last 2048), 8 KV heads x 64, 32 query heads; the calls
-// alternate between reading the interleaved cells in place (strided views, the default) and
-// copying them together first (copy_strided_spans, the only way before session 20).
-// in_place_vs_copy > 1 where in place is faster, from the best calls and from the means.
-// rows 4: the batch of all four sequences; rows 1: sequence 0 alone (the others idle).
-// Args: q8 (0: f16, 1: q8_0), threads, rows.
-void BM_DecodeBatchedInterleaved(benchmark::State& state) {
-  const kv::DType dtype = state.range(0) != 0 ? kv::DType::kQ8_0 : kv::DType::kF16;
-  const int threads = static_cast<int>(state.range(1));
-  const int rows = static_cast<int>(state.range(2));
-  constexpr int kD = 64, kHkv = 8, kHq = 32, kSeqs = 4, kPrompt = 2048, kSteps = 512;
-  auto cache = kv::NewCausalCache();
-  std::vector<float> k(static_cast<size_t>(kD) * kHkv * 512), v(k.size());
-  std::vector<int32_t> pos(512), seq(512);
-  std::mt19937 rng(7);
-  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
-  const auto put = [&](int n) {
+// A causal cache of 8 KV heads x 64 filled as a runtime fills it: batches of random K/V rows
+// (layer 0) at the positions and sequences the caller writes into pos / seq.
+struct CacheFiller {
+  static constexpr int kD = 64, kHkv = 8;
+  std::unique_ptr<kv::Cache> cache = kv::NewCausalCache();
+  std::vector<float> k = std::vector<float>(static_cast<size_t>(kD) * kHkv * 512), v = k;
+  std::vector<int32_t> pos = std::vector<int32_t>(512), seq = pos;
+  std::mt19937 rng;
+  std::uniform_real_distribution<float> u{-1.0f, 1.0f};
+  explicit CacheFiller(uint32_t seed) : rng(seed) {}
+  // Stores the first n (<= 512) tokens of pos / seq.
+  bool Put(int n) {
     for (float& x : k) x = u(rng);
     for (float& x : v) x = u(rng);
     kv::Batch b;
@@ -475,44 +469,42 @@ void BM_DecodeBatchedInterleaved(benchmark::State& state) {
         ->Put(kv::MakeView(k.data(), kv::DType::kF32, {kD, kHkv, n}),
               kv::MakeView(v.data(), kv::DType::kF32, {kD, kHkv, n}))
         .ok();
-  };
-  bool ok = cache->Init(dtype, kSeqs, kPrompt + kSteps + 1, 512).ok();
-  for (int s = 0; ok && s < kSeqs; ++s) {
-    for (int p0 = 0; ok && p0 < kPrompt; p0 += 512) {
-      for (int i = 0; i < 512; ++i) {
-        pos[i] = p0 + i;
+  }
+  // A prompt of `len` tokens for sequence s from position p0, in batches of up to 512.
+  bool Prompt(int s, int p0, int len) {
+    bool ok = true;
+    for (int t0 = 0; ok && t0 < len; t0 += 512) {
+      const int n = std::min(512, len - t0);
+      for (int i = 0; i < n; ++i) {
+        pos[i] = p0 + t0 + i;
         seq[i] = s;
       }
-      ok = put(512);
+      ok = Put(n);
     }
+    return ok;
   }
-  for (int t = 0; ok && t < kSteps; ++t) {
-    for (int s = 0; s < kSeqs; ++s) {
-      pos[s] = kPrompt + t;
-      seq[s] = s;
-    }
-    ok = put(kSeqs);
-  }
-  for (int s = 0; s < rows; ++s) {  // the batch the calls serve
-    pos[s] = kPrompt + kSteps;
-    seq[s] = s;
-  }
-  ok = ok && put(rows);
-  if (!ok) {
-    state.SkipWithError("building the cache failed");
-    return;
-  }
-  const kv::History h = cache->Get();
+};
+
+// Times decode over f's cache for a batch of `rows` random query rows (32 query heads), the
+// kernel's parameters set two ways (set(kp, 0), set(kp, 1)) and calls alternating, one pair per
+// benchmark iteration after a warm-up call each. Reports each way's best call and how much faster
+// way 0 is, from the best calls and from the means: <names[0]>_us, <names[1]>_us,
+// <names[0]>_vs_<names[1]>, mean_<names[0]>_vs_<names[1]>. Returns the history's cells.
+template <class SetParams>
+int64_t CompareTwoWays(benchmark::State& state, CacheFiller& f, int rows, int threads,
+                       const char* const (&names)[2], const SetParams& set) {
+  constexpr int kD = CacheFiller::kD, kHq = 32;
+  const kv::History h = f.cache->Get();
   std::vector<float> q(static_cast<size_t>(kD) * rows * kHq), out(q.size());
-  for (float& x : q) x = u(rng);
+  for (float& x : q) x = f.u(f.rng);
   const kv::TensorView qv = kv::MakeView(q.data(), kv::DType::kF32, {kD, rows, kHq});
   kv::TensorView ov = kv::MakeView(out.data(), kv::DType::kF32, {kD, rows, kHq});
   kv::ThreadPool pool(threads);
   const kv::kernels::ParallelForFn pf = KernelParallelFor(pool);
-  kv::kernels::AttentionKernelParams kp[2];  // [copy]
+  kv::kernels::AttentionKernelParams kp[2];
   for (int c = 0; c < 2; ++c) {
     kp[c].scale = 1.0f / std::sqrt(static_cast<float>(kD));
-    kp[c].copy_strided_spans = c == 1;
+    set(kp[c], c);
   }
   const auto call = [&](int c) {
     const auto t0 = Clock::now();
@@ -532,12 +524,52 @@ void BM_DecodeBatchedInterleaved(benchmark::State& state) {
       sum[c] += t;
     }
   }
-  state.counters["in_place_us"] = best[0] * 1e6;
-  state.counters["copy_us"] = best[1] * 1e6;
-  state.counters["in_place_vs_copy"] = best[1] / best[0];
-  state.counters["mean_in_place_vs_copy"] = sum[1] / sum[0];
+  const std::string n0 = names[0], n1 = names[1];
+  state.counters[n0 + "_us"] = best[0] * 1e6;
+  state.counters[n1 + "_us"] = best[1] * 1e6;
+  state.counters[n0 + "_vs_" + n1] = best[1] / best[0];
+  state.counters["mean_" + n0 + "_vs_" + n1] = sum[1] / sum[0];
+  return h.k.ne[2];
+}
+
+// Batched decode as kvperf's default leaves the cache: 4 sequences with 2048-token prompts of
+// their own, then 512 decode steps in one batch (the new tokens take turns in consecutive cells,
+// so each row sees every 4th cell of the last 2048), 8 KV heads x 64, 32 query heads; the calls
+// alternate between reading the interleaved cells in place (strided views, the default) and
+// copying them together first (copy_strided_spans, the only way before session 20).
+// in_place_vs_copy > 1 where in place is faster, from the best calls and from the means.
+// rows 4: the batch of all four sequences; rows 1: sequence 0 alone (the others idle).
+// Args: q8 (0: f16, 1: q8_0), threads, rows.
+void BM_DecodeBatchedInterleaved(benchmark::State& state) {
+  const kv::DType dtype = state.range(0) != 0 ? kv::DType::kQ8_0 : kv::DType::kF16;
+  const int threads = static_cast<int>(state.range(1));
+  const int rows = static_cast<int>(state.range(2));
+  constexpr int kSeqs = 4, kPrompt = 2048, kSteps = 512;
+  CacheFiller f(7);
+  bool ok = f.cache->Init(dtype, kSeqs, kPrompt + kSteps + 1, 512).ok();
+  for (int s = 0; ok && s < kSeqs; ++s) ok = f.Prompt(s, 0, kPrompt);
+  for (int t = 0; ok && t < kSteps; ++t) {
+    for (int s = 0; s < kSeqs; ++s) {
+      f.pos[s] = kPrompt + t;
+      f.seq[s] = s;
+    }
+    ok = f.Put(kSeqs);
+  }
+  for (int s = 0; s < rows; ++s) {  // the batch the calls serve
+    f.pos[s] = kPrompt + kSteps;
+    f.seq[s] = s;
+  }
+  ok = ok && f.Put(rows);
+  if (!ok) {
+    state.SkipWithError("building the cache failed");
+    return;
+  }
+  const char* const names[2] = {"in_place", "copy"};
+  const int64_t L = CompareTwoWays(
+      state, f, rows, threads, names,
+      [](kv::kernels::AttentionKernelParams& kp, int c) { kp.copy_strided_spans = c == 1; });
   state.SetLabel(std::string(dtype == kv::DType::kF16 ? "f16" : "q8_0") + " L " +
-                 std::to_string(h.k.ne[2]) + " B " + std::to_string(rows));
+                 std::to_string(L) + " B " + std::to_string(rows));
 }
 
 // Batch rows that see the same cells, run together (the default) against each row alone
@@ -552,97 +584,37 @@ void BM_DecodeSharedCells(benchmark::State& state) {
   const kv::DType dtype = state.range(0) != 0 ? kv::DType::kQ8_0 : kv::DType::kF16;
   const int threads = static_cast<int>(state.range(1));
   const bool one_sequence = state.range(2) != 0;
-  constexpr int kD = 64, kHkv = 8, kHq = 32, kRows = 4;
+  constexpr int kRows = 4;
   const int seqs = one_sequence ? 1 : 4, system = one_sequence ? 0 : 1024;
   const int own = one_sequence ? 4096 : 1024, steps = one_sequence ? 0 : 256;
-  auto cache = kv::NewCausalCache();
-  std::vector<float> k(static_cast<size_t>(kD) * kHkv * 512), v(k.size());
-  std::vector<int32_t> pos(512), seq(512);
-  std::mt19937 rng(11);
-  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
-  const auto put = [&](int n) {
-    for (float& x : k) x = u(rng);
-    for (float& x : v) x = u(rng);
-    kv::Batch b;
-    b.positions = std::span<const int32_t>(pos.data(), static_cast<size_t>(n));
-    b.sequences = std::span<const int32_t>(seq.data(), static_cast<size_t>(n));
-    if (!cache->StartForward(b, false).ok()) return false;
-    cache->SetLayer(0);
-    return cache
-        ->Put(kv::MakeView(k.data(), kv::DType::kF32, {kD, kHkv, n}),
-              kv::MakeView(v.data(), kv::DType::kF32, {kD, kHkv, n}))
-        .ok();
-  };
-  // A prompt of `len` tokens for sequence s from position p0, in batches of up to 512.
-  const auto prompt = [&](int s, int p0, int len) {
-    bool ok = true;
-    for (int t0 = 0; ok && t0 < len; t0 += 512) {
-      const int n = std::min(512, len - t0);
-      for (int i = 0; i < n; ++i) {
-        pos[i] = p0 + t0 + i;
-        seq[i] = s;
-      }
-      ok = put(n);
-    }
-    return ok;
-  };
-  bool ok = cache->Init(dtype, seqs, system + own + steps + kRows, 512).ok();
-  ok = ok && prompt(0, 0, system);
-  for (int s = 1; ok && s < seqs; ++s) ok = cache->CopyPrefix(0, s, system).ok();
-  for (int s = 0; ok && s < seqs; ++s) ok = prompt(s, system, own);
+  CacheFiller f(11);
+  bool ok = f.cache->Init(dtype, seqs, system + own + steps + kRows, 512).ok();
+  ok = ok && f.Prompt(0, 0, system);
+  for (int s = 1; ok && s < seqs; ++s) ok = f.cache->CopyPrefix(0, s, system).ok();
+  for (int s = 0; ok && s < seqs; ++s) ok = f.Prompt(s, system, own);
   for (int t = 0; ok && t < steps; ++t) {
     for (int s = 0; s < seqs; ++s) {
-      pos[s] = system + own + t;
-      seq[s] = s;
+      f.pos[s] = system + own + t;
+      f.seq[s] = s;
     }
-    ok = put(seqs);
+    ok = f.Put(seqs);
   }
   for (int r = 0; r < kRows; ++r) {  // the batch the calls serve
-    pos[r] = system + own + steps + (one_sequence ? r : 0);
-    seq[r] = one_sequence ? 0 : r;
+    f.pos[r] = system + own + steps + (one_sequence ? r : 0);
+    f.seq[r] = one_sequence ? 0 : r;
   }
-  ok = ok && put(kRows);
+  ok = ok && f.Put(kRows);
   if (!ok) {
     state.SkipWithError("building the cache failed");
     return;
   }
-  const kv::History h = cache->Get();
-  std::vector<float> q(static_cast<size_t>(kD) * kRows * kHq), out(q.size());
-  for (float& x : q) x = u(rng);
-  const kv::TensorView qv = kv::MakeView(q.data(), kv::DType::kF32, {kD, kRows, kHq});
-  kv::TensorView ov = kv::MakeView(out.data(), kv::DType::kF32, {kD, kRows, kHq});
-  kv::ThreadPool pool(threads);
-  const kv::kernels::ParallelForFn pf = KernelParallelFor(pool);
-  kv::kernels::AttentionKernelParams kp[2];  // [alone]
-  for (int c = 0; c < 2; ++c) {
-    kp[c].scale = 1.0f / std::sqrt(static_cast<float>(kD));
-    kp[c].rows_alone = c == 1;
-  }
-  const auto call = [&](int c) {
-    const auto t0 = Clock::now();
-    if (!kv::kernels::Attention(qv, h.k, h.v, h.mask, kp[c], pf, &ov)) {
-      std::fprintf(stderr, "bench_attention: out of memory in Attention's scratch\n");
-      std::abort();
-    }
-    return Seconds(t0, Clock::now());
-  };
-  (void)call(0);  // warm up
-  (void)call(1);
-  double best[2] = {1e30, 1e30}, sum[2] = {0, 0};
-  for (auto _ : state) {
-    for (int c = 0; c < 2; ++c) {
-      const double t = call(c);
-      best[c] = std::min(best[c], t);
-      sum[c] += t;
-    }
-  }
-  state.counters["together_us"] = best[0] * 1e6;
-  state.counters["alone_us"] = best[1] * 1e6;
-  state.counters["together_vs_alone"] = best[1] / best[0];
-  state.counters["mean_together_vs_alone"] = sum[1] / sum[0];
+  const char* const names[2] = {"together", "alone"};
+  const int64_t L =
+      CompareTwoWays(state, f, kRows, threads, names,
+                     [](kv::kernels::AttentionKernelParams& kp, int c) { kp.rows_alone = c == 1; });
   state.SetLabel(std::string(dtype == kv::DType::kF16 ? "f16" : "q8_0") +
                  (one_sequence ? " one sequence, 4 tokens" : " shared prompt, 4 sequences") +
-                 " L " + std::to_string(h.k.ne[2]));
+                 " L " + std::to_string(L));
 }
 
 // Args: threads, head_dim (128: the shape; 64: kvperf's default model).
