@@ -28,10 +28,10 @@
 //     GQA ratio and of B. Masked runs are skipped by range (spans found once per batch row), so
 //     hidden cells cost no traffic. Consecutive rows that see the same piece of a block run it
 //     together, their query heads in groups of up to 8 (a shared prompt, or several tokens of
-//     one sequence: one pass over the piece's rows per group instead of per row and group). The history is split into chunks across threads (flash
-//     decoding; KV heads are split too only when the chunks are too few); each task writes (m, l,
-//     acc) partials that one merge pass combines: Hkv * chunks * B * G * (Dv + 2) floats, small
-//     next to the history.
+//     one sequence: one pass over the piece's rows per group instead of per row and group). The
+//     history is split into chunks across threads (flash decoding; KV heads are split too only when
+//     the chunks are too few); each task writes (m, l, acc) partials that one merge pass combines:
+//     Hkv * chunks * B * G * (Dv + 2) floats, small next to the history.
 //   prefill (B large): tasks are (KV head, tile of Bt = clamp(128 / G, 1, 64) batch rows); each
 //     tile of 64 cells (128 below AVX-512) is converted to f32 once (K transposed, V as rows)
 //     and reused by the Bt * G (~128) query rows of the task from L1/L2.

@@ -1709,38 +1709,30 @@ void DecodeHeadChunk(const Ctx& c, int64_t h, int64_t chunk) {
   const auto is_long = [](int64_t s0, int64_t s1) { return kPermV || s1 - s0 >= kShortSpan; };
   // Consecutive rows that see the same piece of a block run it together (DecodeCellsAllHeads with
   // n_rows > 1): a system prompt shared by the batch's sequences, or the older cells of a sequence
-  // with several tokens in the batch, then pays one pass over its K/V rows (conversions, K
-  // transposes) per group of up to 8 heads instead of one per row and group. Each row's pieces
-  // of the block are listed first; a piece run with an earlier row is skipped at its own row.
+  // with several tokens in the batch, then takes one pass over its K/V rows per group of up to 8
+  // heads instead of one per row and group (a small gain: the FMAs are per head; perf/HISTORY.md,
+  // session 24). When row b runs a long piece, the rows after it that have not walked this block
+  // yet are asked whether their next piece is the same; those that join note its start and skip
+  // it at their own turn. Rows without long pieces (interleaved decode tokens) cost nothing here.
   // DotHeadsPairs8's query patterns cover 4 heads of one row, so with them G % 4 == 0 is needed.
   const bool combine_rows = c.B > 1 && !c.p.rows_alone && (!pairs || c.G % 4 == 0);
-  struct ListedPiece {
-    int32_t s0, n;
-    bool done;
-  };
-  constexpr int kMaxListed = 8;  // per row and block; a row with more pieces runs them alone
-  ListedPiece listed[kMaxB][kMaxListed];
-  int n_listed[kMaxB];  // -1: not listed (runs alone)
-  const auto find_listed = [&](int64_t b, int64_t s0, int64_t n) -> ListedPiece* {
-    for (int i = 0; i < n_listed[b]; ++i) {
-      if (listed[b][i].s0 == s0 && listed[b][i].n == n) return &listed[b][i];
+  constexpr int kMaxJoined = 8;  // pieces per row and block run with an earlier row
+  int32_t joined[kMaxB][kMaxJoined];
+  int n_joined[kMaxB];
+  // Whether row r's spans, from its cursor on, give exactly the piece [s0, s1) in [blk0, blk1).
+  const auto same_piece = [&](int64_t r, int64_t s0, int64_t s1, int64_t blk0, int64_t blk1) {
+    const int32_t* sp = c.spans + 2 * c.span_off[r];
+    const int64_t ns = c.span_off[r + 1] - c.span_off[r];
+    for (int64_t i = cursor[r]; i < ns && sp[2 * i] < s1; ++i) {
+      if (sp[2 * i + 1] <= s0) continue;  // ends before the piece
+      return std::max<int64_t>(sp[2 * i], blk0) == s0 &&
+             std::min<int64_t>(sp[2 * i + 1], blk1) == s1;
     }
-    return nullptr;
+    return false;
   };
   for (int64_t blk0 = lo; blk0 < hi; blk0 += kBlockCells) {
     const int64_t blk1 = std::min(hi, blk0 + kBlockCells);
-    for (int64_t b = 0; combine_rows && b < c.B; ++b) {
-      int64_t cur = cursor[b];
-      n_listed[b] = 0;
-      walk_block(b, cur, blk0, blk1, [&](int64_t s0, int64_t s1) {
-        if (!is_long(s0, s1) || n_listed[b] < 0) return;
-        if (n_listed[b] == kMaxListed) {
-          n_listed[b] = -1;
-          return;
-        }
-        listed[b][n_listed[b]++] = {static_cast<int32_t>(s0), static_cast<int32_t>(s1 - s0), false};
-      });
-    }
+    if (combine_rows) std::fill(n_joined, n_joined + c.B, 0);
     for (int64_t b = 0; b < c.B; ++b) {
       int32_t short_cells[kBlockCells];  // cells of this block's short spans, gathered
       int64_t n_short = 0, short_spans = 0;
@@ -1752,15 +1744,13 @@ void DecodeHeadChunk(const Ctx& c, int64_t h, int64_t chunk) {
         }
         int64_t n_rows = 1;
         if (combine_rows) {
-          if (ListedPiece* mine = find_listed(b, s0, s1 - s0)) {
-            if (mine->done) return;  // run with an earlier row
-            mine->done = true;
-            while (b + n_rows < c.B) {
-              ListedPiece* same = find_listed(b + n_rows, s0, s1 - s0);
-              if (same == nullptr || same->done) break;
-              same->done = true;
-              ++n_rows;
-            }
+          if (std::find(joined[b], joined[b] + n_joined[b], s0) != joined[b] + n_joined[b]) {
+            return;  // run with an earlier row
+          }
+          while (b + n_rows < c.B && n_joined[b + n_rows] < kMaxJoined &&
+                 same_piece(b + n_rows, s0, s1, blk0, blk1)) {
+            joined[b + n_rows][n_joined[b + n_rows]++] = static_cast<int32_t>(s0);
+            ++n_rows;
           }
         }
         piece(b, s0, s1 - s0, n_rows);
