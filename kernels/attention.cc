@@ -574,6 +574,12 @@ bool Attention(const TensorView& q, const TensorView& k, const TensorView& v,
   }
   const size_t partial_floats =
       use_decode ? static_cast<size_t>(c.Hkv * c.n_chunks * c.B * c.G * attn::PartialStride(c)) : 0;
+  // The decode walk (kernels/decode_plan.h): step offsets per chunk, then the steps.
+  const size_t plan_bytes =
+      use_decode ? static_cast<size_t>(c.n_chunks + 1) * 8 +
+                       static_cast<size_t>(MaxDecodeSteps(c.B, c.L, params.v_permuted)) *
+                           sizeof(DecodeStep)
+                 : 0;
   const size_t header_bytes = (static_cast<size_t>(c.B) + 1) * 8 + static_cast<size_t>(c.B) * 8;
   // Prefill with a mask: each row's visible granules, so that a task skips the tiles none of its
   // rows can see (kvperf's default, 4 sequences: the other sequences' cells inside the rows' box).
@@ -581,7 +587,8 @@ bool Attention(const TensorView& q, const TensorView& k, const TensorView& v,
                         ? 0
                         : (c.L + 64 * attn::kGranuleCells - 1) / (64 * attn::kGranuleCells);
   const size_t granule_bytes = static_cast<size_t>(c.B * c.granule_words) * 8;
-  const size_t total_bytes = header_bytes + span_cap * 8 + granule_bytes + partial_floats * 4 + 192;
+  const size_t total_bytes =
+      header_bytes + span_cap * 8 + plan_bytes + granule_bytes + partial_floats * 4 + 192;
   float* base = attn::ThreadScratch((total_bytes + 3) / 4, 0);
   if (base == nullptr) return false;
   char* p8 = reinterpret_cast<char*>(base);
@@ -589,10 +596,12 @@ bool Attention(const TensorView& q, const TensorView& k, const TensorView& v,
   int32_t* row_lo = reinterpret_cast<int32_t*>(p8 + (c.B + 1) * 8);
   int32_t* row_hi = row_lo + c.B;
   int32_t* spans = row_hi + c.B;
-  uint64_t* granules = reinterpret_cast<uint64_t*>(p8 + header_bytes + span_cap * 8);  // 8-aligned
+  char* plan = p8 + header_bytes + span_cap * 8;                        // 8-aligned
+  uint64_t* granules = reinterpret_cast<uint64_t*>(plan + plan_bytes);  // 8-aligned
   float* partials = reinterpret_cast<float*>(
-      p8 +
-      attn::Pad(static_cast<int64_t>((header_bytes + span_cap * 8 + granule_bytes + 63) / 4)) * 4);
+      p8 + attn::Pad(static_cast<int64_t>(
+               (header_bytes + span_cap * 8 + plan_bytes + granule_bytes + 63) / 4)) *
+               4);
   if (c.granule_words > 0) std::memset(granules, 0, granule_bytes);
 
   span_off[0] = 0;
@@ -656,6 +665,10 @@ bool Attention(const TensorView& q, const TensorView& k, const TensorView& v,
   c.row_hi = row_hi;
   c.visible_granules = c.granule_words > 0 ? granules : nullptr;
   c.partials = partials;
+  if (use_decode) {
+    c.step_off = reinterpret_cast<int64_t*>(plan);
+    c.steps = reinterpret_cast<DecodeStep*>(plan + static_cast<size_t>(c.n_chunks + 1) * 8);
+  }
   if (!use_decode) {
     // About 128 query rows per task: the K/V tile conversion (and K's transposition) is
     // amortized over that many rows; 256 measured no faster (f16, head_dim 128, 512 x 4096).

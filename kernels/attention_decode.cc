@@ -2,14 +2,16 @@
 // and the memory-traffic derivation; kernels/attention.cc sets up the call and finds the spans).
 //
 // Task = (KV head, chunk of cells). Inside a task the chunk is walked in blocks of 128 cells; for
-// each batch row, the row's visible spans (found once per row before the tasks start) are
-// intersected with the block, and for each visible piece the K rows are converted in registers
-// once and dotted with up to 8 query heads of the group at a time; then one online-softmax update
-// per head and one pass over the V rows with the heads' accumulators. Each task leaves (m, l, acc)
-// partials; a merge combines the chunks, adds the sink and divides. Pieces shorter than 16 cells
-// are not run one by one (each would pay a softmax step): one-cell pieces every k-th cell (batched
-// decode's interleaved new tokens) are read in place through a strided view (DecodeStrided), other
-// short pieces are copied together first (DecodeGathered).
+// each batch row, the row's visible spans are intersected with the block, and for each visible
+// piece the K rows are converted in registers once and dotted with up to 8 query heads of the
+// group at a time; then one online-softmax update per head and one pass over the V rows with the
+// heads' accumulators. That walk is the same for every KV head: it is found once per call
+// (BuildDecodePlan, kernels/decode_plan.h, in RunDecodeTyped) and each head replays its chunk's
+// steps. Each task leaves (m, l, acc) partials; a merge combines the chunks, adds the sink and
+// divides. Pieces shorter than 16 cells are not run one by one (each would pay a softmax step):
+// one-cell pieces every k-th cell (batched decode's interleaved new tokens) are read in place
+// through a strided view (DecodeStrided), other short pieces are copied together first
+// (DecodeGathered).
 //
 // The K pass, by storage type and target:
 // - f16 K on AVX-512, head_dim <= 64, groups of 4 / 8 heads: DotHeadsPairs8 transposes 8 rows in
@@ -619,6 +621,18 @@ HWY_INLINE void DotHeads2(DF df, const void* krow0, const void* krow1, const flo
   }
 }
 
+// DotHeadsPairs8 (below) serves head_dim 16 .. 64 (multiples of 16); above, DotHeads4 measured
+// faster.
+constexpr int64_t kPairsMaxHeadDim = 64;
+
+// Whether this target dots f16 K with DotHeadsPairs8 for this call's shape: groups of 4 or 8
+// heads (DecodeCells<.., 4 or 8>) and head_dim <= kPairsMaxHeadDim, on AVX-512.
+template <DType T>
+bool UsesPairPatterns(const Ctx& c) {
+  constexpr bool kAvx512 = HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL;
+  return kAvx512 && T == DType::kF16 && c.D % 16 == 0 && c.D <= kPairsMaxHeadDim && c.G >= 4;
+}
+
 #if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
 // Four K rows x four heads, AVX-512 only (25 of its 32 registers; AVX2 would spill). Each q vector
 // is loaded once for four rows, and the 16 dot products are summed in one transposing reduction:
@@ -704,9 +718,6 @@ HWY_INLINE void DotHeads4(DF df, const char* krow0, size_t kstride, const float*
 // 26.2 -> 24.8 at 32768 cells, against DotHeads2).
 // Precondition: D % 16 == 0. pattern: [D / 16][4 words][4 heads][16] floats (PairPattern).
 // s[g * s_stride + r] receives row r, head g.
-
-// DotHeadsPairs8 serves head_dim 16 .. 64 (multiples of 16); above, DotHeads4 measured faster.
-constexpr int64_t kPairsMaxHeadDim = 64;
 
 // The query pattern of 4 heads' pre-scaled rows qs[g * Dp ..] for DotHeadsPairs8.
 HWY_INLINE void PairPattern(const float* qs, int64_t Dp, int64_t D, float* pattern) {
@@ -1479,9 +1490,6 @@ HWY_INLINE void DecodeCellsAllHeads(const Ctx& c, int64_t h, int64_t b, int64_t 
   if (heads - g >= 1) DecodeCells<T, kPermV, 1>(c, h, b, g, c0, n, qs, rows, next_kp());
 }
 
-// Spans shorter than this are read together (DecodeStrided, DecodeGathered).
-constexpr int64_t kShortSpan = 16;
-
 // Copies `bytes` from src to dst (not overlapping) in whole vectors, the last one overlapping its
 // predecessor; rows shorter than a vector go to memcpy. Gathered rows are 34 to a few hundred
 // bytes, and a libc call per row cost more than the copy: kvperf's batched decode (f16, 1 thread,
@@ -1615,11 +1623,7 @@ void DecodeHeadChunk(const Ctx& c, int64_t h, int64_t chunk) {
       integer_k ? static_cast<size_t>(c.B * c.G * (c.D + qb_row / 4))
                 : (integer_k24 ? static_cast<size_t>(c.B * c.G * (qb24_row / 4)) : 0);
   const bool any_int = integer_k || integer_k24;
-  bool pairs = false;
-#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
-  // Groups of 4 or 8 heads (DecodeCells<.., 4 or 8>) and head_dim <= 64: see DotHeadsPairs8.
-  pairs = T == DType::kF16 && c.D % 16 == 0 && c.D <= kPairsMaxHeadDim && c.G >= 4;
-#endif
+  const bool pairs = UsesPairPatterns<T>(c);
   // Each pattern is a multiple of 16 floats: the patterns and the rows after them stay 64-byte
   // aligned (ThreadScratch is).
   const int64_t pattern_floats = c.D * kPairPatternFloatsPerDim;  // per group of 4 heads
@@ -1672,104 +1676,34 @@ void DecodeHeadChunk(const Ctx& c, int64_t h, int64_t chunk) {
     if (qpairs != nullptr) r.pairs = qpairs + b * (c.G / 4) * pattern_floats;
     return r;
   };
-  // Per row, a cursor into its spans: the first span ending after lo.
-  constexpr int64_t kMaxB = 64;
-  int64_t cursor[kMaxB];
-  for (int64_t b = 0; b < c.B; ++b) {
-    const int32_t* sp = c.spans + 2 * c.span_off[b];
-    const int64_t ns = c.span_off[b + 1] - c.span_off[b];
-    int64_t l = 0, r = ns;  // first span with end > lo
-    while (l < r) {
-      const int64_t mid = (l + r) / 2;
-      if (sp[2 * mid + 1] <= lo)
-        l = mid + 1;
-      else
-        r = mid;
-    }
-    cursor[b] = l;
-  }
+  // The chunk's steps, found once per call (BuildDecodePlan in RunDecodeTyped). Replayed per head
+  // they are what walking the rows' spans here found until session 25, step for step (the same
+  // results bit for bit); walking them 8 times over cost ~4% of kvperf's batched decode.
   RequestedRows asked{lo, lo};
-  const auto piece = [&](int64_t b, int64_t s0, int64_t n, int64_t n_rows) {
-    const KPrefetch kp = attn::PlanKPrefetch(s0, n, hi, asked);
-    DecodeCellsAllHeads<T, kPermV>(c, h, b, s0, n, q_row(b), part + b * c.G * rs, kp, n_rows);
-  };
-  // Row b's spans that meet [blk0, blk1), from cursor `cur` on: fn(s0, s1) for each nonempty
-  // intersection. `cur` stops at a span that goes on into the next block.
-  const auto walk_block = [&](int64_t b, int64_t& cur, int64_t blk0, int64_t blk1, auto&& fn) {
-    const int32_t* sp = c.spans + 2 * c.span_off[b];
-    const int64_t ns = c.span_off[b + 1] - c.span_off[b];
-    while (cur < ns && sp[2 * cur] < blk1) {
-      const int64_t s0 = std::max<int64_t>(sp[2 * cur], blk0);
-      const int64_t s1 = std::min<int64_t>(sp[2 * cur + 1], blk1);
-      if (s1 > s0) fn(s0, s1);
-      if (sp[2 * cur + 1] > blk1) break;  // the span goes on into the next block
-      ++cur;
+  for (int64_t i = c.step_off[chunk]; i < c.step_off[chunk + 1]; ++i) {
+    const DecodeStep& st = c.steps[i];
+    const int64_t b = st.row;
+    float* rows = part + b * c.G * rs;
+    if (st.kind == DecodeStepKind::kCells) {
+      const KPrefetch kp = attn::PlanKPrefetch(st.first, st.count, hi, asked);
+      DecodeCellsAllHeads<T, kPermV>(c, h, b, st.first, st.count, q_row(b), rows, kp, st.n_rows);
+      continue;
     }
-  };
-  const auto is_long = [](int64_t s0, int64_t s1) { return kPermV || s1 - s0 >= kShortSpan; };
-  // Consecutive rows that see the same piece of a block run it together (DecodeCellsAllHeads with
-  // n_rows > 1): a system prompt shared by the batch's sequences, or the older cells of a sequence
-  // with several tokens in the batch, then takes one pass over its K/V rows per group of up to 8
-  // heads instead of one per row and group (a small gain: the FMAs are per head; perf/HISTORY.md,
-  // session 24). When row b runs a long piece, the rows after it that have not walked this block
-  // yet are asked whether their next piece is the same; those that join note its start and skip
-  // it at their own turn. Rows without long pieces (interleaved decode tokens) cost nothing here.
-  // DotHeadsPairs8's query patterns cover 4 heads of one row, so with them G % 4 == 0 is needed.
-  const bool combine_rows = c.B > 1 && !c.p.rows_alone && (!pairs || c.G % 4 == 0);
-  constexpr int kMaxJoined = 8;  // pieces per row and block run with an earlier row
-  int32_t joined[kMaxB][kMaxJoined];
-  int n_joined[kMaxB];
-  // Whether row r's spans, from its cursor on, give exactly the piece [s0, s1) in [blk0, blk1).
-  const auto same_piece = [&](int64_t r, int64_t s0, int64_t s1, int64_t blk0, int64_t blk1) {
-    const int32_t* sp = c.spans + 2 * c.span_off[r];
-    const int64_t ns = c.span_off[r + 1] - c.span_off[r];
-    for (int64_t i = cursor[r]; i < ns && sp[2 * i] < s1; ++i) {
-      if (sp[2 * i + 1] <= s0) continue;  // ends before the piece
-      return std::max<int64_t>(sp[2 * i], blk0) == s0 &&
-             std::min<int64_t>(sp[2 * i + 1], blk1) == s1;
-    }
-    return false;
-  };
-  for (int64_t blk0 = lo; blk0 < hi; blk0 += kBlockCells) {
-    const int64_t blk1 = std::min(hi, blk0 + kBlockCells);
-    if (combine_rows) std::fill(n_joined, n_joined + c.B, 0);
-    for (int64_t b = 0; b < c.B; ++b) {
-      int32_t short_cells[kBlockCells];  // cells of this block's short spans, gathered
-      int64_t n_short = 0, short_spans = 0;
-      walk_block(b, cursor[b], blk0, blk1, [&](int64_t s0, int64_t s1) {
-        if (!is_long(s0, s1)) {
-          for (int64_t j = s0; j < s1; ++j) short_cells[n_short++] = static_cast<int32_t>(j);
-          ++short_spans;
-          return;
-        }
-        int64_t n_rows = 1;
-        if (combine_rows) {
-          if (std::find(joined[b], joined[b] + n_joined[b], s0) != joined[b] + n_joined[b]) {
-            return;  // run with an earlier row
-          }
-          while (b + n_rows < c.B && n_joined[b + n_rows] < kMaxJoined &&
-                 same_piece(b + n_rows, s0, s1, blk0, blk1)) {
-            joined[b + n_rows][n_joined[b + n_rows]++] = static_cast<int32_t>(s0);
-            ++n_rows;
-          }
-        }
-        piece(b, s0, s1 - s0, n_rows);
-      });
-      if constexpr (!kPermV) {
-        int64_t step = n_short > 1 ? short_cells[1] - short_cells[0] : 0;
-        for (int64_t i = 2; i < n_short && step > 0; ++i) {
-          if (short_cells[i] - short_cells[i - 1] != step) step = 0;
-        }
-        if (short_spans == 1) {  // contiguous: nothing to gain from a copy
-          piece(b, short_cells[0], n_short, 1);
-        } else if (step > 1 && !c.p.copy_strided_spans) {  // every step-th cell: in place
-          DecodeStrided<T>(c, h, b, short_cells[0], step, n_short, q_row(b), part + b * c.G * rs,
-                           asked);
-        } else if (short_spans > 1) {
-          if (!DecodeGathered<T>(c, h, b, short_cells, n_short, q_row(b), part + b * c.G * rs)) {
-            return attn::ScratchFailed(c);
-          }
-        }
+    if constexpr (!kPermV) {  // a permuted V row cannot be read by cells: its plan has no others
+      if (st.kind == DecodeStepKind::kStrided) {
+        DecodeStrided<T>(c, h, b, st.first, st.step, st.count, q_row(b), rows, asked);
+      } else {
+        // The row's short pieces of the block that holds st.first, as the plan found them.
+        int32_t cells[kBlockCells];
+        int64_t n = 0, cursor = st.span;
+        const int64_t blk0 = st.first / kBlockCells * kBlockCells;
+        ForEachPieceInBlock(c.spans + 2 * c.span_off[b], c.span_off[b + 1] - c.span_off[b], &cursor,
+                            blk0, std::min(hi, blk0 + kBlockCells), [&](int64_t s0, int64_t s1) {
+                              if (s1 - s0 >= kDecodeShortSpan) return;
+                              for (int64_t j = s0; j < s1; ++j)
+                                cells[n++] = static_cast<int32_t>(j);
+                            });
+        if (!DecodeGathered<T>(c, h, b, cells, n, q_row(b), rows)) return attn::ScratchFailed(c);
       }
     }
   }
@@ -1838,6 +1772,23 @@ void DecodeMerge(const Ctx& c) {
 
 template <DType T, bool kPermV>
 void RunDecodeTyped(const Ctx& c, const ParallelForFn& pf) {
+  // Consecutive rows that see the same piece of a block run it together (DecodeCellsAllHeads with
+  // n_rows > 1): a system prompt shared by the batch's sequences, or the older cells of a sequence
+  // with several tokens in the batch, then takes one pass over its K/V rows per group of up to 8
+  // heads instead of one per row and group (a small gain: the FMAs are per head; perf/HISTORY.md,
+  // session 24). DotHeadsPairs8's query patterns cover 4 heads of one row, so with them G % 4 == 0
+  // is needed.
+  DecodePlanInput plan;
+  plan.spans = c.spans;
+  plan.span_off = c.span_off;
+  plan.B = c.B;
+  plan.L = c.L;
+  plan.chunk = c.chunk;
+  plan.n_chunks = c.n_chunks;
+  plan.v_permuted = kPermV;
+  plan.combine_rows = c.B > 1 && !c.p.rows_alone && (!UsesPairPatterns<T>(c) || c.G % 4 == 0);
+  plan.copy_strided = c.p.copy_strided_spans;
+  BuildDecodePlan(plan, c.steps, c.step_off);
   attn::RunTasks(
       c, (c.Hkv + c.task_heads - 1) / c.task_heads * c.n_chunks, pf,
       [](void* ctx, int64_t i) { DecodeTask<T, kPermV>(*static_cast<const Ctx*>(ctx), i); });

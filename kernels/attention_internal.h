@@ -14,15 +14,16 @@
 #include "hwy/aligned_allocator.h"
 #include "hwy/cache_control.h"
 #include "kernels/attention.h"
+#include "kernels/decode_plan.h"
 #include "kernels/grow_buffer.h"
 #include "layouts/quant.h"
 
 namespace kv::kernels {
 namespace attn {
 
-inline constexpr int64_t kBlockCells = 128;  // decode: cells per online-softmax update
-inline constexpr int64_t kMaxPass = 8;       // decode: query heads served by one K row load
-inline constexpr int64_t kRowPad = 16;       // row padding (floats) valid for every target
+inline constexpr int64_t kBlockCells = kDecodeBlockCells;  // decode: cells per softmax update
+inline constexpr int64_t kMaxPass = 8;  // decode: query heads served by one K row load
+inline constexpr int64_t kRowPad = 16;  // row padding (floats) valid for every target
 
 constexpr int64_t Pad(int64_t n) { return (n + kRowPad - 1) / kRowPad * kRowPad; }
 
@@ -64,6 +65,10 @@ struct Ctx {
   int64_t task_heads = 1;     // KV heads per task: task t = (heads [t / n_chunks * task_heads, ..),
                               // chunk t % n_chunks)
   float* partials = nullptr;  // [Hkv * n_chunks][B][G][Dvp + kRowPad]: acc, then m, l
+  // The walk every KV head replays (kernels/decode_plan.h): chunk k's steps are
+  // steps[step_off[k] .. step_off[k + 1]). Attention sizes them; RunDecode writes them.
+  DecodeStep* steps = nullptr;  // [MaxDecodeSteps(B, L, v_permuted)]
+  int64_t* step_off = nullptr;  // [n_chunks + 1]
   // prefill
   const int32_t* row_lo = nullptr;  // first visible cell of row b (L when none)
   const int32_t* row_hi = nullptr;  // last visible cell + 1 (0 when none)

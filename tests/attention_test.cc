@@ -18,6 +18,7 @@
 #endif
 #include "kernels/attention.h"
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -37,6 +38,7 @@
 #include "hwy/aligned_allocator.h"
 #include "hwy/tests/hwy_gtest.h"
 #include "kernels/attention_internal.h"
+#include "kernels/decode_plan.h"
 #include "kernels/mask.h"
 #include "layouts/kv_layout.h"
 #include "layouts/quant.h"
@@ -1427,6 +1429,200 @@ TEST(DecodeLineCursor, SpreadsEveryLineOverTheSteps) {
   auto none = kernels::attn::LineCursor::Over(buf + 64, buf + 64, 10, true);
   none.Issue();
   EXPECT_EQ(none.next, nullptr);
+}
+
+// The decode walk found once per call (kernels/decode_plan.h), built from span lists as Attention
+// builds them from a mask.
+struct PlanSpans {
+  std::vector<int32_t> spans;     // pairs, row after row
+  std::vector<int64_t> span_off;  // B + 1
+};
+
+// Row b sees cell j where visible(b, j); the rows' maximal visible runs.
+template <class Visible>
+PlanSpans SpansOf(int64_t B, int64_t L, const Visible& visible) {
+  PlanSpans ps;
+  ps.span_off.push_back(0);
+  for (int64_t b = 0; b < B; ++b) {
+    kernels::attn::ForEachVisibleSpan(
+        L, [&](int64_t j) { return !visible(b, j); },
+        [&](int64_t s0, int64_t s1) {
+          ps.spans.push_back(static_cast<int32_t>(s0));
+          ps.spans.push_back(static_cast<int32_t>(s1));
+        });
+    ps.span_off.push_back(static_cast<int64_t>(ps.spans.size() / 2));
+  }
+  return ps;
+}
+
+struct Plan {
+  std::vector<kernels::DecodeStep> steps;
+  std::vector<int64_t> step_off;
+};
+
+Plan BuildPlan(const PlanSpans& ps, int64_t B, int64_t L, int64_t chunk, bool v_permuted,
+               bool combine_rows, bool copy_strided) {
+  kernels::DecodePlanInput in;
+  in.spans = ps.spans.data();
+  in.span_off = ps.span_off.data();
+  in.B = B;
+  in.L = L;
+  in.chunk = chunk;
+  in.n_chunks = std::max<int64_t>(1, (L + chunk - 1) / chunk);
+  in.v_permuted = v_permuted;
+  in.combine_rows = combine_rows;
+  in.copy_strided = copy_strided;
+  Plan plan;
+  plan.steps.resize(static_cast<size_t>(kernels::MaxDecodeSteps(B, L, v_permuted)));
+  plan.step_off.resize(static_cast<size_t>(in.n_chunks + 1));
+  kernels::BuildDecodePlan(in, plan.steps.data(), plan.step_off.data());
+  return plan;
+}
+
+// Every row's visible cells are run exactly once, block after block per row, inside their chunk
+// and block, by steps whose kind fits the flags; the step count stays within MaxDecodeSteps; a
+// kGathered step's cells, found again from its span index as the kernel finds them, are the
+// row's short pieces of the block. Masks: random fragments, shared prompts with interleaved or
+// run-length tokens, one-cell spans every k-th cell, and everything visible.
+TEST(DecodePlan, RunsEveryVisibleCellOnceInOrder) {
+  std::mt19937 rng(11);
+  using kernels::DecodeStepKind;
+  for (int trial = 0; trial < 400; ++trial) {
+    const int64_t B = 1 + static_cast<int64_t>(rng() % 9);
+    const int64_t L = 1 + static_cast<int64_t>(rng() % 1500);
+    const int64_t chunk = kernels::kDecodeBlockCells * (1 + static_cast<int64_t>(rng() % 5));
+    const bool v_permuted = rng() % 4 == 0, combine = rng() % 2 == 0, copy = rng() % 4 == 0;
+    const int pattern = static_cast<int>(rng() % 5);
+    const int64_t shared = static_cast<int64_t>(rng() % static_cast<uint32_t>(L + 1));
+    const int64_t run = 1 + static_cast<int64_t>(rng() % 40);
+    std::vector<uint8_t> vis(static_cast<size_t>(B * L));
+    for (int64_t b = 0; b < B; ++b) {
+      for (int64_t j = 0; j < L; ++j) {
+        bool v = true;
+        if (pattern == 0) v = rng() % 3 != 0;
+        if (pattern == 1) v = j < shared || (j - shared) % B == b;
+        if (pattern == 2) v = j < shared || ((j - shared) / run) % B == b;
+        if (pattern == 3) v = j % (run + 1) == b % (run + 1);
+        vis[static_cast<size_t>(b * L + j)] = v;
+      }
+    }
+    const auto visible = [&](int64_t b, int64_t j) { return vis[static_cast<size_t>(b * L + j)]; };
+    const PlanSpans ps = SpansOf(B, L, visible);
+    const Plan plan = BuildPlan(ps, B, L, chunk, v_permuted, combine, copy);
+    SCOPED_TRACE(::testing::Message() << "trial " << trial << ": B " << B << " L " << L << " chunk "
+                                      << chunk << " pattern " << pattern << " v_permuted "
+                                      << v_permuted << " combine " << combine << " copy " << copy);
+    const int64_t n_chunks = static_cast<int64_t>(plan.step_off.size()) - 1;
+    ASSERT_LE(plan.step_off[n_chunks], static_cast<int64_t>(plan.steps.size()));
+    std::vector<int> runs(static_cast<size_t>(B * L), 0);
+    // Per row, the block of its last step: a row's blocks come in order (inside a block its long
+    // pieces come first, then its short ones).
+    std::vector<int64_t> last_block(static_cast<size_t>(B), -1);
+    const auto run_cell = [&](int64_t b, int64_t j, int64_t chunk_lo, int64_t block) {
+      ASSERT_GE(j, chunk_lo);
+      ASSERT_LT(j, std::min(L, chunk_lo + chunk));
+      ASSERT_EQ(j / kernels::kDecodeBlockCells, block) << "cell " << j << " row " << b;
+      ASSERT_TRUE(visible(b, j)) << "cell " << j << " row " << b;
+      ASSERT_GE(block, last_block[static_cast<size_t>(b)]) << "row " << b << " out of order";
+      last_block[static_cast<size_t>(b)] = block;
+      ++runs[static_cast<size_t>(b * L + j)];
+    };
+    for (int64_t k = 0; k < n_chunks; ++k) {
+      ASSERT_LE(plan.step_off[k], plan.step_off[k + 1]);
+      for (int64_t i = plan.step_off[k]; i < plan.step_off[k + 1]; ++i) {
+        const kernels::DecodeStep& st = plan.steps[static_cast<size_t>(i)];
+        const int64_t block = st.first / kernels::kDecodeBlockCells;
+        ASSERT_GE(st.count, 1);
+        ASSERT_GE(st.row, 0);
+        if (st.kind == DecodeStepKind::kCells) {
+          ASSERT_GE(st.n_rows, 1);
+          ASSERT_LE(st.row + st.n_rows, B);
+          if (!combine) {
+            ASSERT_EQ(st.n_rows, 1);
+          }
+          for (int64_t r = st.row; r < st.row + st.n_rows; ++r) {
+            for (int64_t j = st.first; j < st.first + st.count; ++j)
+              run_cell(r, j, k * chunk, block);
+          }
+          continue;
+        }
+        ASSERT_FALSE(v_permuted) << "a permuted V is read in place only";
+        ASSERT_EQ(st.n_rows, 1);
+        if (st.kind == DecodeStepKind::kStrided) {
+          ASSERT_FALSE(copy);
+          ASSERT_GT(st.step, 1);
+          for (int64_t t = 0; t < st.count; ++t) {
+            run_cell(st.row, st.first + t * st.step, k * chunk, block);
+          }
+          continue;
+        }
+        ASSERT_EQ(st.kind, DecodeStepKind::kGathered);
+        std::vector<int64_t> cells;
+        int64_t cursor = st.span;
+        const int64_t blk0 = block * kernels::kDecodeBlockCells;
+        kernels::ForEachPieceInBlock(ps.spans.data() + 2 * ps.span_off[st.row],
+                                     ps.span_off[st.row + 1] - ps.span_off[st.row], &cursor, blk0,
+                                     std::min(L, blk0 + kernels::kDecodeBlockCells),
+                                     [&](int64_t s0, int64_t s1) {
+                                       if (s1 - s0 >= kernels::kDecodeShortSpan) return;
+                                       for (int64_t j = s0; j < s1; ++j) cells.push_back(j);
+                                     });
+        ASSERT_EQ(static_cast<int64_t>(cells.size()), st.count);
+        ASSERT_EQ(cells.front(), st.first);
+        for (const int64_t j : cells) run_cell(st.row, j, k * chunk, block);
+      }
+    }
+    for (int64_t b = 0; b < B; ++b) {
+      for (int64_t j = 0; j < L; ++j) {
+        ASSERT_EQ(runs[static_cast<size_t>(b * L + j)], visible(b, j) ? 1 : 0)
+            << "row " << b << " cell " << j;
+      }
+    }
+  }
+}
+
+// The plan's choices on kvperf's batched-decode shape: 4 rows share a 300-cell prompt, then (past
+// a cell none sees) take turns one cell each. Combined, each block's prompt piece is one step of
+// 4 rows; the turns run in place every 4th cell (or from a copy with copy_strided_spans); rows
+// alone, 4 steps per piece.
+TEST(DecodePlan, SharedPromptOnceAndTurnsInPlace) {
+  constexpr int64_t B = 4, L = 556, chunk = 1024;
+  const auto visible = [](int64_t b, int64_t j) {
+    return j < 300 || (j > 300 && (j - 301) % B == b);
+  };
+  const PlanSpans ps = SpansOf(B, L, visible);
+  using kernels::DecodeStepKind;
+  const auto count = [](const Plan& plan, DecodeStepKind kind, int n_rows) {
+    int n = 0;
+    for (int64_t i = 0; i < plan.step_off.back(); ++i) {
+      const kernels::DecodeStep& st = plan.steps[static_cast<size_t>(i)];
+      n += st.kind == kind && st.n_rows == n_rows;
+    }
+    return n;
+  };
+  // Blocks [0, 128), [128, 256): the prompt; [256, 384): 44 prompt cells, then 83 turns (20 or
+  // 21 per row); [384, 512): 32 per row; [512, 556): 11 per row.
+  const Plan together = BuildPlan(ps, B, L, chunk, false, true, false);
+  EXPECT_EQ(together.step_off.back(), 3 + 3 * B);
+  EXPECT_EQ(count(together, DecodeStepKind::kCells, B), 3);
+  EXPECT_EQ(count(together, DecodeStepKind::kStrided, 1), 3 * B);
+  for (int64_t i = 0; i < together.step_off.back(); ++i) {
+    const kernels::DecodeStep& st = together.steps[static_cast<size_t>(i)];
+    if (st.kind == DecodeStepKind::kStrided) {
+      EXPECT_EQ(st.step, B);
+      EXPECT_EQ(st.first % B, (301 + st.row) % B);
+    }
+  }
+  const Plan copied = BuildPlan(ps, B, L, chunk, false, true, true);
+  EXPECT_EQ(count(copied, DecodeStepKind::kGathered, 1), 3 * B);
+  EXPECT_EQ(count(copied, DecodeStepKind::kStrided, 1), 0);
+  const Plan alone = BuildPlan(ps, B, L, chunk, false, false, false);
+  EXPECT_EQ(count(alone, DecodeStepKind::kCells, 1), 3 * B);
+  EXPECT_EQ(count(alone, DecodeStepKind::kCells, B), 0);
+  // A permuted V runs every piece in place, one-cell turns included, each row alone.
+  const Plan permuted = BuildPlan(ps, B, L, chunk, true, true, false);
+  EXPECT_EQ(count(permuted, DecodeStepKind::kCells, B), 3);
+  EXPECT_EQ(count(permuted, DecodeStepKind::kCells, 1), L - 301);
 }
 
 }  // namespace

@@ -1,0 +1,114 @@
+// The decode walk, found once per call (kernels/decode_plan.h).
+#include "kernels/decode_plan.h"
+
+#include <algorithm>
+#include <cstdint>
+
+namespace kv::kernels {
+
+int64_t MaxDecodeSteps(int64_t B, int64_t L, bool v_permuted) {
+  const int64_t blocks = (L + kDecodeBlockCells - 1) / kDecodeBlockCells;
+  const int64_t per_row = v_permuted ? L / 2 + 1 + blocks : L / kDecodeShortSpan + blocks;
+  return B * per_row;
+}
+
+namespace {
+
+// A step of `kind` for row b over `count` cells from `first`, one row, no step or span yet.
+DecodeStep MakeStep(DecodeStepKind kind, int64_t b, int64_t first, int64_t count) {
+  DecodeStep st{};
+  st.kind = kind;
+  st.row = static_cast<int16_t>(b);
+  st.first = static_cast<int32_t>(first);
+  st.count = static_cast<int16_t>(count);
+  st.n_rows = 1;
+  return st;
+}
+
+}  // namespace
+
+void BuildDecodePlan(const DecodePlanInput& in, DecodeStep* steps, int64_t* step_off) {
+  constexpr int64_t kMaxB = 64;
+  // Pieces per row and block run with an earlier row: a row past it runs its further pieces alone.
+  constexpr int kMaxJoined = 8;
+  const auto row_spans = [&](int64_t b) { return in.spans + 2 * in.span_off[b]; };
+  const auto row_count = [&](int64_t b) { return in.span_off[b + 1] - in.span_off[b]; };
+  // Per row, the first span not walked yet: chunks and blocks are walked in cell order.
+  int64_t cursor[kMaxB] = {};
+  int32_t joined[kMaxB][kMaxJoined];  // starts of the pieces row b runs with an earlier row
+  int n_joined[kMaxB] = {};
+  // Whether row r's spans, from its cursor on, give exactly the piece [s0, s1) in [blk0, blk1).
+  const auto same_piece = [&](int64_t r, int64_t s0, int64_t s1, int64_t blk0, int64_t blk1) {
+    const int32_t* sp = row_spans(r);
+    const int64_t ns = row_count(r);
+    for (int64_t i = cursor[r]; i < ns && sp[2 * i] < s1; ++i) {
+      if (sp[2 * i + 1] <= s0) continue;  // ends before the piece
+      return std::max<int64_t>(sp[2 * i], blk0) == s0 &&
+             std::min<int64_t>(sp[2 * i + 1], blk1) == s1;
+    }
+    return false;
+  };
+  int64_t n = 0;
+  for (int64_t k = 0; k < in.n_chunks; ++k) {
+    step_off[k] = n;
+    const int64_t lo = k * in.chunk;
+    const int64_t hi = std::min(in.L, lo + in.chunk);
+    for (int64_t blk0 = lo; blk0 < hi; blk0 += kDecodeBlockCells) {
+      const int64_t blk1 = std::min(hi, blk0 + kDecodeBlockCells);
+      if (in.combine_rows) std::fill(n_joined, n_joined + in.B, 0);
+      for (int64_t b = 0; b < in.B; ++b) {
+        const int64_t span0 = cursor[b];
+        // The row's short pieces of this block: their first and last cell, how many cells and
+        // pieces, and the distance between consecutive cells while it is the same (else 0).
+        int64_t first = 0, last = 0, n_short = 0, short_spans = 0, stride = 0;
+        ForEachPieceInBlock(
+            row_spans(b), row_count(b), &cursor[b], blk0, blk1, [&](int64_t s0, int64_t s1) {
+              if (!in.v_permuted && s1 - s0 < kDecodeShortSpan) {
+                for (int64_t j = s0; j < s1; ++j) {
+                  if (n_short == 0) {
+                    first = j;
+                  } else if (n_short == 1) {
+                    stride = j - first;
+                  } else if (j - last != stride) {
+                    stride = 0;
+                  }
+                  last = j;
+                  ++n_short;
+                }
+                ++short_spans;
+                return;
+              }
+              int64_t n_rows = 1;
+              if (in.combine_rows) {
+                if (std::find(joined[b], joined[b] + n_joined[b], s0) != joined[b] + n_joined[b]) {
+                  return;  // run with an earlier row
+                }
+                while (b + n_rows < in.B && n_joined[b + n_rows] < kMaxJoined &&
+                       same_piece(b + n_rows, s0, s1, blk0, blk1)) {
+                  joined[b + n_rows][n_joined[b + n_rows]++] = static_cast<int32_t>(s0);
+                  ++n_rows;
+                }
+              }
+              DecodeStep& st = steps[n++];
+              st = MakeStep(DecodeStepKind::kCells, b, s0, s1 - s0);
+              st.n_rows = static_cast<int8_t>(n_rows);
+            });
+        if (short_spans == 0) continue;
+        DecodeStep& st = steps[n++];
+        st = MakeStep(DecodeStepKind::kCells, b, first, n_short);
+        if (short_spans == 1) {
+          // One contiguous piece: nothing to gain from a copy.
+        } else if (stride > 1 && !in.copy_strided) {
+          st.kind = DecodeStepKind::kStrided;
+          st.step = static_cast<int16_t>(stride);
+        } else {
+          st.kind = DecodeStepKind::kGathered;
+          st.span = static_cast<int32_t>(span0);
+        }
+      }
+    }
+  }
+  step_off[in.n_chunks] = n;
+}
+
+}  // namespace kv::kernels

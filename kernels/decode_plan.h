@@ -1,0 +1,90 @@
+// The walk that decode attention repeats for every KV head (kernels/attention_decode.cc): chunk by
+// chunk, block by block and batch row by batch row, which cells each row runs and how. It depends
+// only on the rows' visible spans, so Attention finds it once per call and every KV head replays
+// it. Walked once per KV head instead (until session 25), it cost ~4% of kvperf's batched decode
+// and a quarter of the in-cache time of batched decode's interleaved one-cell spans, the same 8
+// times over (perf/HISTORY.md, session 24).
+//
+// Plain scalar code: no Highway, no tensor data.
+#ifndef KVCACHE_KERNELS_DECODE_PLAN_H_
+#define KVCACHE_KERNELS_DECODE_PLAN_H_
+
+#include <algorithm>
+#include <cstdint>
+
+namespace kv::kernels {
+
+// Cells per online-softmax update; chunks of cells are multiples of it, so blocks start at
+// multiples of it.
+inline constexpr int64_t kDecodeBlockCells = 128;
+// A visible piece of a block shorter than this is not run alone (each would pay a softmax step):
+// the row's short pieces of a block are run together, in place when they fall every k-th cell,
+// else from a copy.
+inline constexpr int64_t kDecodeShortSpan = 16;
+
+enum class DecodeStepKind : int8_t {
+  kCells,     // cells [first, first + count), for rows row .. row + n_rows - 1 alike
+  kStrided,   // cells first, first + step, .., count of them (step > 1), for row only
+  kGathered,  // row's short pieces of the block that holds `first` (count cells in all), copied
+              // together: the row's spans from index `span` on, clipped to the block
+};
+
+// One step of a chunk's walk (16 bytes: a plan may hold one per visible span).
+struct DecodeStep {
+  int32_t first;  // first cell (absolute)
+  int32_t span;   // kGathered: index among the row's spans of the first that meets the block
+  int16_t count;  // cells, 1 .. kDecodeBlockCells
+  int16_t row;    // batch row (kCells: the first of n_rows consecutive rows)
+  int16_t step;   // kStrided: cells apart (> 1); 0 otherwise
+  int8_t n_rows;  // kCells: rows that run these cells together, >= 1; 1 otherwise
+  DecodeStepKind kind;
+};
+static_assert(sizeof(DecodeStep) == 16);
+
+// The rows' visible spans and how the call runs them.
+struct DecodePlanInput {
+  const int32_t* spans = nullptr;     // pairs [start, end) of visible cells, ascending, per row
+  const int64_t* span_off = nullptr;  // row b's pairs: spans[2 * span_off[b] .. 2 * span_off[b+1])
+  int64_t B = 0, L = 0;
+  int64_t chunk = 0, n_chunks = 0;  // chunk k: cells [k * chunk, min(L, (k + 1) * chunk))
+  bool v_permuted = false;          // every piece runs in place (a permuted V row cannot be copied)
+  bool combine_rows = false;        // consecutive rows that see the same piece run it together
+  bool copy_strided = false;        // AttentionKernelParams::copy_strided_spans: no kStrided steps
+};
+
+// Upper bound on the steps of any plan of this shape, from the shape alone, so that scratch sized
+// by one call of the largest shape serves every later call (no allocation in steady state). Chunks
+// are multiples of the block, so the blocks are those of [0, L) in steps of kDecodeBlockCells, and
+// per row: long pieces have >= kDecodeShortSpan cells each, plus one short step per block; with
+// v_permuted every piece is a step: <= L / 2 + 1 spans, plus one more per block boundary.
+int64_t MaxDecodeSteps(int64_t B, int64_t L, bool v_permuted);
+
+// Writes chunk k's steps to steps[step_off[k] .. step_off[k + 1]) for k < n_chunks (step_off has
+// n_chunks + 1 entries), in the order the kernel runs them: per block, rows in order, each row's
+// long pieces in cell order, then its short pieces as one step. With combine_rows, when row b
+// runs a long piece, the rows after it whose next piece in the block is the same (up to 8 pieces
+// per row and block) join it (n_rows) and skip it at their turn. Preconditions: spans as above,
+// chunk a positive multiple of kDecodeBlockCells, B <= 64, steps sized by MaxDecodeSteps.
+void BuildDecodePlan(const DecodePlanInput& in, DecodeStep* steps, int64_t* step_off);
+
+// Calls fn(s0, s1) for each nonempty piece of row spans sp[2 * i], sp[2 * i + 1] (i from *cursor,
+// ns spans in all) inside [blk0, blk1), in order. *cursor stops at a span that goes on past blk1
+// (so the next block starts there). The one walk over a row's spans, for the plan and for
+// kGathered's copy.
+template <class Fn>
+inline void ForEachPieceInBlock(const int32_t* sp, int64_t ns, int64_t* cursor, int64_t blk0,
+                                int64_t blk1, const Fn& fn) {
+  int64_t i = *cursor;
+  while (i < ns && sp[2 * i] < blk1) {
+    const int64_t s0 = std::max<int64_t>(sp[2 * i], blk0);
+    const int64_t s1 = std::min<int64_t>(sp[2 * i + 1], blk1);
+    if (s1 > s0) fn(s0, s1);
+    if (sp[2 * i + 1] > blk1) break;  // the span goes on into the next block
+    ++i;
+  }
+  *cursor = i;
+}
+
+}  // namespace kv::kernels
+
+#endif  // KVCACHE_KERNELS_DECODE_PLAN_H_
