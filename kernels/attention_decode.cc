@@ -68,6 +68,7 @@ using attn::KPrefetch;
 using attn::kRowPad;
 using attn::LineCursor;
 using attn::RequestedRows;
+using attn::RowCursor;
 
 // ---- decode
 // --------------------------------------------------------------------------------------
@@ -1327,12 +1328,27 @@ HWY_NOINLINE void DecodeCells(const Ctx& c, int64_t h, int64_t b, int64_t g0, in
       std::clamp<int64_t>(kPrefetchBytes / static_cast<int64_t>(RowBytes(T, c.D)), 8, 48);
   const int64_t k_from = std::max(kp.ready, std::min(ahead, n));
   const bool l2 = c.p.prefetch == PrefetchLevel::kL2;
-  LineCursor::Over(krow(kp.ready), krow(k_from), 1, l2).Issue();
-  LineCursor k_rows = LineCursor::Over(krow(k_from), krow(n), n - k_from, l2);
-  LineCursor v_rows = LineCursor::Over(vrow(kp.v_ready), kPermV ? vrow(0) : vrow(n), n, l2);
+  // A strided view (DecodeStrided, kp.rows_only): the piece's own rows, not the range they span.
+  LineCursor k_rows, v_rows;
+  RowCursor k_own, v_own;
+  if (kp.rows_only) {
+    k_own = RowCursor{krow(kp.ready), n - kp.ready, kst, RowBytes(T, c.D), l2};
+    for (int64_t r = kp.ready; r < k_from; ++r) k_own.Issue();
+    v_own = RowCursor{vrow(kp.v_ready), n - kp.v_ready, vst, RowBytes(T, c.Dv), l2};
+  } else {
+    LineCursor::Over(krow(kp.ready), krow(k_from), 1, l2).Issue();
+    k_rows = LineCursor::Over(krow(k_from), krow(n), n - k_from, l2);
+    v_rows = LineCursor::Over(vrow(kp.v_ready), kPermV ? vrow(0) : vrow(n), n, l2);
+  }
+  const bool rows_only = kp.rows_only;
   const auto prefetch_row = [&] {
-    v_rows.Issue();
-    k_rows.Issue();
+    if (rows_only) {
+      v_own.Issue();
+      k_own.Issue();
+    } else {
+      v_rows.Issue();
+      k_rows.Issue();
+    }
   };
   // V pass: the K rows after the piece, a few lines per cell (or per dimension line of a permuted
   // V) so that the requests spread over the pass.
@@ -1562,16 +1578,19 @@ template <DType T>
 // decode, where the sequences' new tokens take turns in consecutive cells, so each row sees every
 // step-th cell. Only row b's n mask values are copied. The same cells in the same order as
 // DecodeGathered, so the same results, without copying the rows.
-// Prefetch: with step <= B the rows from c_first up to c_first + step * n are asked for (unless
-// `asked` says an earlier row did): the batch's other rows read the cells in between next. A
-// larger step cannot be B sequences taking turns (one sequence decoding among idle ones, say):
-// nothing is asked for, the hardware's stride prefetch serves it. Measured (Zen 4, calls
-// alternating with the copy, 4 sequences' interleaved tokens, 2048-token prompts, 512 steps): B 4
-// 1.05-1.14x faster than the copy with the range asked for, 0.94-0.97x on the mean without; B 1
-// 1.03-1.06x without, 0.97-1.10x with it.
+// Prefetch: the piece asks for its own K and V rows only (KPrefetch::rows_only, RowCursor), K
+// rows a few ahead, V rows at the K pass's pace, as a contiguous piece does. Until session 25 the
+// first row to reach a block asked for the whole range its rows span (step <= B), the other rows'
+// cells between them included, so that those rows found them in cache: 4x the requests of its
+// own pass, which stalled it on the fill buffers. Each row asking for its own rows measured
+// (Xeon, 1 thread unless said, old and new alternating): the interleaved cells of kvperf's
+// default after 256 steps 1.30-1.32x faster per call in cache and from DRAM (f16), 1.05-1.08x
+// (q8_0); that whole mask from DRAM 1.06x (1 thread), 1.04-1.10x (2 threads); BM_DecodeBatched-
+// Interleaved 1.10x (f16) and 1.03-1.04x (q8_0) with 4 rows, and with sequence 0 alone (step 4 > B
+// 1, where nothing had been asked for) 1.03x and 1.07x.
 template <DType T>
 HWY_NOINLINE void DecodeStrided(const Ctx& c, int64_t h, int64_t b, int64_t c_first, int64_t step,
-                                int64_t n, const QRows& qs, float* rows, RequestedRows& asked) {
+                                int64_t n, const QRows& qs, float* rows) {
   HWY_ALIGN float mvals[kBlockCells + kRowPad];
   for (int64_t i = 0; i < n; ++i) mvals[i] = attn::MaskValue(c.mask, b, c_first + i * step);
   Ctx g = c;
@@ -1581,15 +1600,8 @@ HWY_NOINLINE void DecodeStrided(const Ctx& c, int64_t h, int64_t b, int64_t c_fi
   g.v.data = static_cast<char*>(c.v.data) + static_cast<size_t>(c_first) * vst;
   g.v.nb[2] = vst * static_cast<size_t>(step);
   UseRowMask(mvals, &g.mask);
-  if (step > c.B) {
-    DecodeCellsAllHeads<T, false>(g, h, b, 0, n, qs, rows, KPrefetch{n, n, 0, 0});
-    return;
-  }
-  // The marks only move over rows asked for now (`asked` may not skip a gap: RequestedRows).
-  const int64_t end = c_first + step * n;
-  const KPrefetch kp{asked.k >= end ? n : 0, asked.v >= end ? n : 0, 0, 0};
-  if (asked.k >= c_first) asked.k = std::max(asked.k, end);
-  if (asked.v >= c_first) asked.v = std::max(asked.v, end);
+  KPrefetch kp;  // nothing asked for yet
+  kp.rows_only = true;
   DecodeCellsAllHeads<T, false>(g, h, b, 0, n, qs, rows, kp);
 }
 
@@ -1691,7 +1703,7 @@ void DecodeHeadChunk(const Ctx& c, int64_t h, int64_t chunk) {
     }
     if constexpr (!kPermV) {  // a permuted V row cannot be read by cells: its plan has no others
       if (st.kind == DecodeStepKind::kStrided) {
-        DecodeStrided<T>(c, h, b, st.first, st.step, st.count, q_row(b), rows, asked);
+        DecodeStrided<T>(c, h, b, st.first, st.step, st.count, q_row(b), rows);
       } else {
         // The row's short pieces of the block that holds st.first, as the plan found them.
         int32_t cells[kBlockCells];

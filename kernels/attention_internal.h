@@ -98,6 +98,9 @@ struct KPrefetch {
   int64_t v_ready = 0;
   int64_t next_from = 0;
   int64_t next_to = 0;
+  // The view's rows are not adjacent (DecodeStrided: every k-th cell): ask for each row's own
+  // lines (RowCursor), not for the byte range the rows span, which holds other batch rows' cells.
+  bool rows_only = false;
 };
 
 // Rows of one KV head asked for so far by a task that walks its cells forward: every row below
@@ -181,6 +184,39 @@ struct LineCursor {
         PrefetchLine(next);
       }
     }
+  }
+};
+
+// Requests the lines of `rows` rows of `bytes` bytes each, `stride` apart (a strided view's rows),
+// one row per Issue: a loop that calls it once per row it reads asks for rows as far ahead as the
+// cursor starts ahead. Unlike LineCursor over the rows' whole range it skips the bytes between the
+// rows: those are other batch rows' cells, which those rows ask for when they read them. Asking
+// for the whole range at the first row's turn put 4x as many requests into that row's pass as it
+// reads (batched decode's interleaved tokens, 4 sequences) and stalled it on the fill buffers:
+// perf/HISTORY.md, session 25.
+struct RowCursor {
+  const char* next = nullptr;
+  int64_t rows = 0;  // rows not asked for yet
+  size_t stride = 0, bytes = 0;
+  bool to_l2 = false;
+  // Calls fn(line) for each 64-byte line that holds a byte of [row, row + bytes), in order.
+  template <class Fn>
+  static void ForEachLine(const char* row, size_t bytes, const Fn& fn) {
+    const char* line =
+        reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(row) & ~uintptr_t{63});
+    for (; line < row + bytes; line += 64) fn(line);
+  }
+  HWY_INLINE void Issue() {
+    if (rows <= 0) return;
+    ForEachLine(next, bytes, [&](const char* line) {
+      if (to_l2) {
+        PrefetchLine</*kToL2=*/true>(line);
+      } else {
+        PrefetchLine(line);
+      }
+    });
+    next += stride;
+    --rows;
   }
 };
 

@@ -1431,6 +1431,43 @@ TEST(DecodeLineCursor, SpreadsEveryLineOverTheSteps) {
   EXPECT_EQ(none.next, nullptr);
 }
 
+// Decode's row cursor (strided views, kernels/attention_internal.h): one row per Issue, each row's
+// lines exactly (rows that straddle lines included), the rows between them never; nothing past the
+// last row.
+TEST(DecodeRowCursor, AsksForItsOwnRowsOnly) {
+  alignas(64) static char buf[64 * 200];
+  for (const size_t bytes : {size_t{34}, size_t{68}, size_t{128}, size_t{160}}) {
+    for (const size_t offset : {size_t{0}, size_t{2}, size_t{60}}) {
+      SCOPED_TRACE(::testing::Message() << bytes << "-byte rows at +" << offset);
+      const size_t stride = 4 * bytes;  // every 4th row of a packed block
+      std::vector<int> asked(sizeof(buf) / 64, 0);
+      std::vector<int> wanted(asked.size(), 0);
+      constexpr int64_t kRows = 9;
+      for (int64_t r = 0; r < kRows; ++r) {
+        const size_t first = offset + r * stride, last = first + bytes - 1;
+        for (size_t line = first / 64; line <= last / 64; ++line) wanted[line] = 1;
+      }
+      kernels::attn::RowCursor rc{buf + offset, kRows, stride, bytes, false};
+      for (int64_t r = 0; r < kRows; ++r) {
+        ASSERT_EQ(rc.next, buf + offset + r * stride);
+        kernels::attn::RowCursor::ForEachLine(rc.next, rc.bytes, [&](const char* line) {
+          ASSERT_EQ(reinterpret_cast<uintptr_t>(line) % 64, 0u);
+          ++asked[static_cast<size_t>(line - buf) / 64];
+        });
+        rc.Issue();
+      }
+      EXPECT_EQ(rc.rows, 0);
+      const char* end = rc.next;
+      rc.Issue();  // nothing left
+      EXPECT_EQ(rc.next, end);
+      for (size_t line = 0; line < asked.size(); ++line) {
+        // A line shared by two rows (rows closer than a line apart) is asked for by each.
+        EXPECT_EQ(asked[line] > 0, wanted[line] == 1) << "line " << line;
+      }
+    }
+  }
+}
+
 // The decode walk found once per call (kernels/decode_plan.h), built from span lists as Attention
 // builds them from a mask.
 struct PlanSpans {
