@@ -367,41 +367,58 @@ double TimedKernelCall(Setup& s, const kv::kernels::AttentionKernelParams& kp,
   return Seconds(t0, Clock::now());
 }
 
+// Times two ways of calling the kernel (kp[t][0], kp[t][1]) on each of two histories s[t], all
+// four calls alternating in each benchmark iteration after a warm-up call each, and reports each
+// history's best calls: <dtypes[t]>_<ways[0]>_us, <dtypes[t]>_<ways[1]>_us and
+// <dtypes[t]>_<ways[1]>_vs_<ways[0]> (> 1 where way 1 is faster).
+void CompareWaysPerHistory(benchmark::State& state, Setup (&s)[2], const char* const (&dtypes)[2],
+                           const char* const (&ways)[2],
+                           const kv::kernels::AttentionKernelParams (&kp)[2][2], int threads) {
+  kv::ThreadPool pool(threads);
+  const kv::kernels::ParallelForFn pf = KernelParallelFor(pool);
+  for (int t = 0; t < 2; ++t)
+    for (int w = 0; w < 2; ++w) (void)TimedKernelCall(s[t], kp[t][w], pf);  // warm up
+  double best[2][2] = {{1e30, 1e30}, {1e30, 1e30}};
+  for (auto _ : state) {
+    for (int t = 0; t < 2; ++t)
+      for (int w = 0; w < 2; ++w)
+        best[t][w] = std::min(best[t][w], TimedKernelCall(s[t], kp[t][w], pf));
+  }
+  for (int t = 0; t < 2; ++t) {
+    const std::string dt = dtypes[t], w0 = ways[0], w1 = ways[1];
+    state.counters[dt + "_" + w0 + "_us"] = best[t][0] * 1e6;
+    state.counters[dt + "_" + w1 + "_us"] = best[t][1] * 1e6;
+    state.counters[dt + "_" + w1 + "_vs_" + w0] = best[t][0] / best[t][1];
+  }
+}
+
+// Decode parameters for head_dim D: the scale, decode forced.
+kv::kernels::AttentionKernelParams DecodeParams(int D) {
+  kv::kernels::AttentionKernelParams kp;
+  kp.scale = 1.0f / std::sqrt(static_cast<float>(D));
+  kp.mode = kv::kernels::AttentionMode::kDecode;
+  return kp;
+}
+
 // Decode with its prefetches into L1 (prefetcht0) against L2 only (prefetcht2), f16 and q8_0
 // (integer_k and integer_v), calls alternating: l2_vs_l1 > 1 where L2 is faster. auto_l2 says
 // which level this CPU gets by default (kernels::ResolvePrefetchLevel). Args: D, L, threads.
 void BM_DecodePrefetchLevels(benchmark::State& state) {
   const int D = static_cast<int>(state.range(0));
   const int L = static_cast<int>(state.range(1));
-  const int threads = static_cast<int>(state.range(2));
   Setup s[2] = {MakeSetup(kv::DType::kF16, D, 8, 4, L, 1, true),
                 MakeSetup(kv::DType::kQ8_0, D, 8, 4, L, 1, true)};
-  kv::ThreadPool pool(threads);
-  const kv::kernels::ParallelForFn pf = KernelParallelFor(pool);
   kv::kernels::AttentionKernelParams kp[2][2];  // [dtype][level]
   for (int t = 0; t < 2; ++t) {
     for (int l = 0; l < 2; ++l) {
-      kp[t][l].scale = 1.0f / std::sqrt(static_cast<float>(D));
-      kp[t][l].mode = kv::kernels::AttentionMode::kDecode;
+      kp[t][l] = DecodeParams(D);
       kp[t][l].integer_k = kp[t][l].integer_v = t == 1;
       kp[t][l].prefetch =
           l == 0 ? kv::kernels::PrefetchLevel::kL1 : kv::kernels::PrefetchLevel::kL2;
     }
   }
-  const auto call = [&](int t, int l) { return TimedKernelCall(s[t], kp[t][l], pf); };
-  for (int t = 0; t < 2; ++t)
-    for (int l = 0; l < 2; ++l) (void)call(t, l);  // warm up
-  double best[2][2] = {{1e30, 1e30}, {1e30, 1e30}};
-  for (auto _ : state) {
-    for (int t = 0; t < 2; ++t)
-      for (int l = 0; l < 2; ++l) best[t][l] = std::min(best[t][l], call(t, l));
-  }
-  const char* names[2] = {"f16", "q8kv"};
-  for (int t = 0; t < 2; ++t) {
-    state.counters[std::string(names[t]) + "_l1_us"] = best[t][0] * 1e6;
-    state.counters[std::string(names[t]) + "_l2_us"] = best[t][1] * 1e6;
-    state.counters[std::string(names[t]) + "_l2_vs_l1"] = best[t][0] / best[t][1];
-  }
+  CompareWaysPerHistory(state, s, {"f16", "q8kv"}, {"l1", "l2"}, kp,
+                        static_cast<int>(state.range(2)));
   state.counters["auto_l2"] =
       kv::kernels::ResolvePrefetchLevel(kv::kernels::PrefetchLevel::kAuto) ==
       kv::kernels::PrefetchLevel::kL2;
@@ -415,32 +432,18 @@ void BM_DecodePrefetchLevels(benchmark::State& state) {
 void BM_DecodeQuantVScaling(benchmark::State& state) {
   const int D = static_cast<int>(state.range(0));
   const int L = static_cast<int>(state.range(1));
-  const int threads = static_cast<int>(state.range(2));
   Setup s[2] = {MakeSetup(kv::DType::kQ8_0, D, 8, 4, L, 1, true),
                 MakeSetup(kv::DType::kQ4_0, D, 8, 4, L, 1, true)};
-  kv::ThreadPool pool(threads);
-  const kv::kernels::ParallelForFn pf = KernelParallelFor(pool);
-  kv::kernels::AttentionKernelParams kp[2];  // [scaling]
-  for (int w = 0; w < 2; ++w) {
-    kp[w].scale = 1.0f / std::sqrt(static_cast<float>(D));
-    kp[w].mode = kv::kernels::AttentionMode::kDecode;
-    kp[w].quant_v_scaling =
-        w == 0 ? kv::kernels::QuantVScaling::kCodes : kv::kernels::QuantVScaling::kWeights;
-  }
-  for (int t = 0; t < 2; ++t)
-    for (int w = 0; w < 2; ++w) (void)TimedKernelCall(s[t], kp[w], pf);  // warm up
-  double best[2][2] = {{1e30, 1e30}, {1e30, 1e30}};
-  for (auto _ : state) {
-    for (int t = 0; t < 2; ++t)
-      for (int w = 0; w < 2; ++w)
-        best[t][w] = std::min(best[t][w], TimedKernelCall(s[t], kp[w], pf));
-  }
-  const char* names[2] = {"q8", "q4"};
+  kv::kernels::AttentionKernelParams kp[2][2];  // [dtype][scaling]
   for (int t = 0; t < 2; ++t) {
-    state.counters[std::string(names[t]) + "_codes_us"] = best[t][0] * 1e6;
-    state.counters[std::string(names[t]) + "_weights_us"] = best[t][1] * 1e6;
-    state.counters[std::string(names[t]) + "_weights_vs_codes"] = best[t][0] / best[t][1];
+    for (int w = 0; w < 2; ++w) {
+      kp[t][w] = DecodeParams(D);
+      kp[t][w].quant_v_scaling =
+          w == 0 ? kv::kernels::QuantVScaling::kCodes : kv::kernels::QuantVScaling::kWeights;
+    }
   }
+  CompareWaysPerHistory(state, s, {"q8", "q4"}, {"codes", "weights"}, kp,
+                        static_cast<int>(state.range(2)));
   state.counters["auto_weights"] =
       kv::kernels::ResolveQuantVScaling(kv::kernels::QuantVScaling::kAuto) ==
       kv::kernels::QuantVScaling::kWeights;
