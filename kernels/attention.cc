@@ -536,8 +536,7 @@ bool Attention(const TensorView& q, const TensorView& k, const TensorView& v,
   const int threads = std::max(1, pf.run != nullptr ? pf.num_threads : 1);
   const bool decode =
       params.mode == AttentionMode::kDecode || (params.mode == AttentionMode::kAuto && c.B < 8);
-  constexpr int64_t kMaxDecodeB = 64;  // DecodeTask's cursor array
-  const bool use_decode = decode && c.B <= kMaxDecodeB;
+  const bool use_decode = decode && c.B <= kDecodeMaxRows;  // the decode plan's row limit
   const float neg_inf = -std::numeric_limits<float>::infinity();
 
   // Visible spans (decode) or the visible box (prefill) of each row, found once from the mask.

@@ -1705,17 +1705,11 @@ void DecodeHeadChunk(const Ctx& c, int64_t h, int64_t chunk) {
       if (st.kind == DecodeStepKind::kStrided) {
         DecodeStrided<T>(c, h, b, st.first, st.step, st.count, q_row(b), rows);
       } else {
-        // The row's short pieces of the block that holds st.first, as the plan found them.
         int32_t cells[kBlockCells];
-        int64_t n = 0, cursor = st.span;
-        const int64_t blk0 = st.first / kBlockCells * kBlockCells;
-        ForEachPieceInBlock(c.spans + 2 * c.span_off[b], c.span_off[b + 1] - c.span_off[b], &cursor,
-                            blk0, std::min(hi, blk0 + kBlockCells), [&](int64_t s0, int64_t s1) {
-                              if (s1 - s0 >= kDecodeShortSpan) return;
-                              for (int64_t j = s0; j < s1; ++j)
-                                cells[n++] = static_cast<int32_t>(j);
-                            });
-        if (!DecodeGathered<T>(c, h, b, cells, n, q_row(b), rows)) return attn::ScratchFailed(c);
+        GatheredCells(c.spans, c.span_off, st, cells);
+        if (!DecodeGathered<T>(c, h, b, cells, st.count, q_row(b), rows)) {
+          return attn::ScratchFailed(c);
+        }
       }
     }
   }

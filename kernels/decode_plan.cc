@@ -14,6 +14,12 @@ int64_t MaxDecodeSteps(int64_t B, int64_t L, bool v_permuted) {
 
 namespace {
 
+// Whether a visible piece of a block is run with the row's other short pieces of that block
+// (kStrided, kGathered, or a lone short kCells step) rather than on its own.
+bool IsShortPiece(int64_t s0, int64_t s1, bool v_permuted) {
+  return !v_permuted && s1 - s0 < kDecodeShortSpan;
+}
+
 // A step of `kind` for row b over `count` cells from `first`, one row, no step or span yet.
 DecodeStep MakeStep(DecodeStepKind kind, int64_t b, int64_t first, int64_t count) {
   DecodeStep st{};
@@ -28,7 +34,7 @@ DecodeStep MakeStep(DecodeStepKind kind, int64_t b, int64_t first, int64_t count
 }  // namespace
 
 void BuildDecodePlan(const DecodePlanInput& in, DecodeStep* steps, int64_t* step_off) {
-  constexpr int64_t kMaxB = 64;
+  constexpr int64_t kMaxB = kDecodeMaxRows;
   // Pieces per row and block run with an earlier row: a row past it runs its further pieces alone.
   constexpr int kMaxJoined = 8;
   const auto row_spans = [&](int64_t b) { return in.spans + 2 * in.span_off[b]; };
@@ -63,7 +69,7 @@ void BuildDecodePlan(const DecodePlanInput& in, DecodeStep* steps, int64_t* step
         int64_t first = 0, last = 0, n_short = 0, short_spans = 0, stride = 0;
         ForEachPieceInBlock(
             row_spans(b), row_count(b), &cursor[b], blk0, blk1, [&](int64_t s0, int64_t s1) {
-              if (!in.v_permuted && s1 - s0 < kDecodeShortSpan) {
+              if (IsShortPiece(s0, s1, in.v_permuted)) {
                 for (int64_t j = s0; j < s1; ++j) {
                   if (n_short == 0) {
                     first = j;
@@ -109,6 +115,19 @@ void BuildDecodePlan(const DecodePlanInput& in, DecodeStep* steps, int64_t* step
     }
   }
   step_off[in.n_chunks] = n;
+}
+
+void GatheredCells(const int32_t* spans, const int64_t* span_off, const DecodeStep& st,
+                   int32_t* cells) {
+  const int64_t blk0 = st.first / kDecodeBlockCells * kDecodeBlockCells;
+  int64_t cursor = st.span, n = 0;
+  // The block's end need not be clipped to the chunk's: chunks end on block boundaries or at L,
+  // which no span passes.
+  ForEachPieceInBlock(spans + 2 * span_off[st.row], span_off[st.row + 1] - span_off[st.row],
+                      &cursor, blk0, blk0 + kDecodeBlockCells, [&](int64_t s0, int64_t s1) {
+                        if (!IsShortPiece(s0, s1, false) || n >= st.count) return;
+                        for (int64_t j = s0; j < s1; ++j) cells[n++] = static_cast<int32_t>(j);
+                      });
 }
 
 }  // namespace kv::kernels

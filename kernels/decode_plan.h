@@ -22,6 +22,10 @@ inline constexpr int64_t kDecodeBlockCells = 128;
 // else from a copy.
 inline constexpr int64_t kDecodeShortSpan = 16;
 
+// Batch rows a plan serves (its per-row cursors live on the stack); Attention runs larger
+// batches as prefill.
+inline constexpr int64_t kDecodeMaxRows = 64;
+
 enum class DecodeStepKind : int8_t {
   kCells,     // cells [first, first + count), for rows row .. row + n_rows - 1 alike
   kStrided,   // cells first, first + step, .., count of them (step > 1), for row only
@@ -64,8 +68,15 @@ int64_t MaxDecodeSteps(int64_t B, int64_t L, bool v_permuted);
 // long pieces in cell order, then its short pieces as one step. With combine_rows, when row b
 // runs a long piece, the rows after it whose next piece in the block is the same (up to 8 pieces
 // per row and block) join it (n_rows) and skip it at their turn. Preconditions: spans as above,
-// chunk a positive multiple of kDecodeBlockCells, B <= 64, steps sized by MaxDecodeSteps.
+// chunk a positive multiple of kDecodeBlockCells, B <= kDecodeMaxRows, steps sized by
+// MaxDecodeSteps.
 void BuildDecodePlan(const DecodePlanInput& in, DecodeStep* steps, int64_t* step_off);
+
+// The cells of a kGathered step `st`, found again from its span index as the plan found them (the
+// row's pieces shorter than kDecodeShortSpan in the block that holds st.first), to cells[0 ..
+// st.count). spans / span_off as in DecodePlanInput.
+void GatheredCells(const int32_t* spans, const int64_t* span_off, const DecodeStep& st,
+                   int32_t* cells);
 
 // Calls fn(s0, s1) for each nonempty piece of row spans sp[2 * i], sp[2 * i + 1] (i from *cursor,
 // ns spans in all) inside [blk0, blk1), in order. *cursor stops at a span that goes on past blk1

@@ -1606,6 +1606,9 @@ TEST(DecodePlan, RunsEveryVisibleCellOnceInOrder) {
                                      });
         ASSERT_EQ(static_cast<int64_t>(cells.size()), st.count);
         ASSERT_EQ(cells.front(), st.first);
+        int32_t found[kernels::kDecodeBlockCells];
+        kernels::GatheredCells(ps.spans.data(), ps.span_off.data(), st, found);
+        for (int64_t t = 0; t < st.count; ++t) ASSERT_EQ(found[t], cells[t]) << "cell " << t;
         for (const int64_t j : cells) run_cell(st.row, j, k * chunk, block);
       }
     }
