@@ -10,7 +10,9 @@
 // vectors on AVX-512, 6 rows x 2 vectors on the 16-register targets.
 // A task walks the cells between its rows' first and last visible cell and skips the tiles none
 // of its rows sees (other sequences' cells), found from a bitmap of visible 16-cell granules per
-// row that Attention() records while it scans the mask.
+// row that Attention() records while it scans the mask; a second bitmap marks the granules whose
+// cells are all visible with a mask value of +-0, where a tile's scores need no mask at all. The
+// online softmax runs four query rows at a time, their maxes and sums reduced together.
 //
 // AVX3_DL is compiled here as in attention_decode.cc, so that forcing one target (the tests do)
 // runs both halves on it.
@@ -282,6 +284,128 @@ HWY_INLINE void ForEachRowBlock(int64_t R, const F& f) {
   for (; r < R; ++r) f.template operator()<1>(r);
 }
 
+// Row b's scores s[0..kTC) of the tile at cell t0 (n cells of history) made ready for the
+// softmax, in place: softcapped, the mask value added, and -inf outside the row's visible box or
+// past the history. Returns the largest score in `vmax` (lane-wise, with what it held) and sets
+// the lanes of `bad` that saw a NaN or +inf (x86's max drops a NaN operand, so the max cannot
+// tell). A tile inside the box with no mask is only scanned: no store.
+HWY_INLINE void MaskRowScores(DF df, const Ctx& c, int64_t b, int64_t t0, int64_t n, float* s,
+                              VF& vmax, VF& bad) {
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  const VF vinf = hn::Set(df, -neg_inf);
+  const auto scan = [&](VF x) {
+    vmax = hn::Max(vmax, x);
+    bad = hn::Or(bad, hn::VecFromMask(df, hn::Not(hn::Lt(x, vinf))));
+  };
+  if (c.p.softcap != 0) {
+    const VF cap = hn::Set(df, c.p.softcap);
+    const VF inv = hn::Set(df, 1.0f / c.p.softcap);
+    for (int64_t j = 0; j < kTC; j += kN) {
+      hn::Store(hn::Mul(cap, hn::Tanh(df, hn::Mul(hn::Load(df, s + j), inv))), df, s + j);
+    }
+  }
+  const int64_t lo = std::max<int64_t>(c.row_lo[b] - t0, 0);
+  const int64_t hi = std::min<int64_t>(c.row_hi[b] - t0, n);
+  const bool whole_box = lo == 0 && hi == kTC;
+  // Inside plain granules (visible, mask values +-0) the mask adds nothing: not read.
+  const bool plain = c.plain_granules != nullptr && n == kTC &&
+                     attn::AllBits(c.plain_granules + b * c.granule_words, t0 / attn::kGranuleCells,
+                                   (t0 + kTC - 1) / attn::kGranuleCells);
+  if ((c.mask.data == nullptr || plain) && whole_box) {
+    for (int64_t j = 0; j < kTC; j += kN) scan(hn::Load(df, s + j));
+    return;
+  }
+  const char* mrow = c.mask.data == nullptr ? nullptr
+                                            : static_cast<const char*>(c.mask.data) +
+                                                  static_cast<size_t>(b) * c.mask.nb[1] +
+                                                  static_cast<size_t>(t0) * c.mask.nb[0];
+  const VF vlo = hn::Set(df, static_cast<float>(lo)), vhi = hn::Set(df, static_cast<float>(hi));
+  const VF ninf = hn::Set(df, neg_inf);
+  for (int64_t j = 0; j < kTC; j += kN) {
+    VF x = hn::Load(df, s + j);
+    if (mrow != nullptr) {
+      VF mv;
+      if (j + static_cast<int64_t>(kN) <= n) {
+        mv = c.mask.dtype == DType::kF16 ? LoadFloat<DType::kF16>(df, mrow, j)
+                                         : LoadFloat<DType::kF32>(df, mrow, j);
+      } else {
+        HWY_ALIGN float tmp[kN] = {};
+        for (int64_t t = j; t < n; ++t) tmp[t - j] = attn::MaskValue(c.mask, b, t0 + t);
+        mv = hn::Load(df, tmp);
+      }
+      // -inf hides the cell whatever its logit (a NaN from a hidden cell's K must not poison the
+      // row: the reference never looks at hidden cells).
+      x = hn::IfThenElse(hn::Eq(mv, ninf), ninf, hn::Add(x, mv));
+    }
+    if (!whole_box) {
+      const VF idx = hn::Iota(df, static_cast<float>(j));
+      x = hn::IfThenElse(hn::And(hn::Ge(idx, vlo), hn::Lt(idx, vhi)), x, ninf);
+    }
+    scan(x);
+    hn::Store(x, df, s + j);
+  }
+}
+
+// The online-softmax step of query rows [r0, r0 + kR) (kR <= 4) over one tile: scores sc[r][..]
+// become weights (0 where hidden), each row's state (acc, m, l in st, rs floats apart) is rescaled
+// to its new max and its weights' sum added. The rows' maxes and sums are reduced four at a time
+// (ReduceEach): one row at a time, the reductions and their scalar tails took ~10% of a prefill
+// call at head_dim 64 (perf, f16, 1 thread, session 26).
+template <int kR>
+HWY_INLINE void TileSoftmaxRows(DF df, const Ctx& c, int64_t b0, int64_t r0, int64_t t0, int64_t n,
+                                float* sc, float* st, int64_t rs) {
+  static_assert(kR >= 1 && kR <= 4);
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  const VF vninf = hn::Set(df, neg_inf);
+  VF vmax[4], vsum[4];
+  bool poisoned[kR];
+  for (int i = 0; i < 4; ++i) {
+    vmax[i] = vninf;
+    vsum[i] = hn::Zero(df);
+  }
+  for (int i = 0; i < kR; ++i) {
+    VF bad = hn::Zero(df);
+    MaskRowScores(df, c, b0 + (r0 + i) / c.G, t0, n, sc + (r0 + i) * kTC, vmax[i], bad);
+    poisoned[i] = !hn::AllFalse(df, hn::MaskFromVec(bad));
+  }
+  float maxes[4];
+  ReduceEach<4>(df, vmax, MaxOp(), maxes);
+  bool seen[kR];  // the row sees a cell of the tile (or a poisoning one)
+  for (int i = 0; i < kR; ++i) {
+    float* s = sc + (r0 + i) * kTC;
+    float* row = st + (r0 + i) * rs;
+    seen[i] = maxes[i] != neg_inf || poisoned[i];
+    if (!seen[i]) {  // nothing visible to this row here
+      for (int64_t j = 0; j < kTC; j += kN) hn::Store(hn::Zero(df), df, s + j);
+      continue;
+    }
+    // A NaN or +inf logit poisons the row (as in decode's SoftmaxHeads): m, acc, l become NaN.
+    const float m_old = row[c.Dvp];
+    const float m_new =
+        poisoned[i] ? std::numeric_limits<float>::quiet_NaN() : std::max(m_old, maxes[i]);
+    const VF vm = hn::Set(df, m_new);
+    for (int64_t j = 0; j < kTC; j += kN) {
+      const VF x = hn::Load(df, s + j);
+      const VF e = hn::IfThenZeroElse(hn::Eq(x, vninf), SoftmaxExp(df, hn::Sub(x, vm)));
+      vsum[i] = hn::Add(vsum[i], e);
+      hn::Store(e, df, s + j);
+    }
+    if (m_new != m_old) {
+      const float alpha = std::exp(m_old - m_new);
+      const VF va = hn::Set(df, alpha);
+      for (int64_t d = 0; d < c.Dvp; d += kN)
+        hn::Store(hn::Mul(hn::Load(df, row + d), va), df, row + d);
+      row[c.Dvp + 1] *= alpha;
+    }
+    row[c.Dvp] = m_new;
+  }
+  float sums[4];
+  ReduceEach<4>(df, vsum, AddOp(), sums);
+  for (int i = 0; i < kR; ++i) {
+    if (seen[i]) st[(r0 + i) * rs + c.Dvp + 1] += sums[i];
+  }
+}
+
 template <DType T, bool kPermV>
 void PrefillTask(const Ctx& c, int64_t task) {
   const DF df;
@@ -362,76 +486,12 @@ void PrefillTask(const Ctx& c, int64_t task) {
     ForEachRowBlock(R, [&]<int kR>(int64_t r) {
       TileScoresRows<kR>(df, qs + r * c.Dp, c.Dp, c.D, kt, sc + r * kTC);
     });
-    // Softcap, mask, online softmax per row; p overwrites s (0 where hidden).
-    for (int64_t r = 0; r < R; ++r) {
-      const int64_t b = b0 + r / c.G;
-      float* s = sc + r * kTC;
-      float* row = st + r * rs;
-      if (c.p.softcap != 0) {
-        const VF cap = hn::Set(df, c.p.softcap);
-        const VF inv = hn::Set(df, 1.0f / c.p.softcap);
-        for (int64_t j = 0; j < kTC; j += kN) {
-          hn::Store(hn::Mul(cap, hn::Tanh(df, hn::Mul(hn::Load(df, s + j), inv))), df, s + j);
-        }
-      }
-      // Cells outside the row's visible box (or past the history) become -inf; inside, the mask
-      // value is added (-inf hides). Vectorized: this runs per row and tile.
-      const float vlo = static_cast<float>(std::max<int64_t>(c.row_lo[b] - t0, 0));
-      const float vhi = static_cast<float>(std::min<int64_t>(c.row_hi[b] - t0, n));
-      const VF vvlo = hn::Set(df, vlo), vvhi = hn::Set(df, vhi);
-      const char* mrow = c.mask.data == nullptr ? nullptr
-                                                : static_cast<const char*>(c.mask.data) +
-                                                      static_cast<size_t>(b) * c.mask.nb[1] +
-                                                      static_cast<size_t>(t0) * c.mask.nb[0];
-      for (int64_t j = 0; j < kTC; j += kN) {
-        const VF idx = hn::Iota(df, static_cast<float>(j));
-        VF x = hn::Load(df, s + j);
-        if (mrow != nullptr) {
-          VF mv;
-          if (j + static_cast<int64_t>(kN) <= n) {
-            mv = c.mask.dtype == DType::kF16 ? LoadFloat<DType::kF16>(df, mrow, j)
-                                             : LoadFloat<DType::kF32>(df, mrow, j);
-          } else {
-            HWY_ALIGN float tmp[kN] = {};
-            for (int64_t t = j; t < n; ++t) tmp[t - j] = attn::MaskValue(c.mask, b, t0 + t);
-            mv = hn::Load(df, tmp);
-          }
-          // -inf hides the cell whatever its logit (a NaN from a hidden cell's K must not
-          // poison the row: the reference never looks at hidden cells).
-          const VF ninf = hn::Set(df, neg_inf);
-          x = hn::IfThenElse(hn::Eq(mv, ninf), ninf, hn::Add(x, mv));
-        }
-        const auto inside = hn::And(hn::Ge(idx, vvlo), hn::Lt(idx, vvhi));
-        hn::Store(hn::IfThenElse(inside, x, hn::Set(df, neg_inf)), df, s + j);
-      }
-      const ScoreScan scan = ScanScores(df, s, kTC);
-      if (scan.max == neg_inf && !scan.poisoned) {  // nothing visible to this row here
-        for (int64_t j = 0; j < kTC; ++j) s[j] = 0.0f;
-        continue;
-      }
-      // A NaN or +inf logit poisons the row (as in decode's SoftmaxHeads): m, acc, l become NaN.
-      const float m_old = row[c.Dvp];
-      const float m_new =
-          scan.poisoned ? std::numeric_limits<float>::quiet_NaN() : std::max(m_old, scan.max);
-      const VF vm = hn::Set(df, m_new);
-      const VF vninf = hn::Set(df, neg_inf);
-      VF vsum = hn::Zero(df);
-      for (int64_t j = 0; j < kTC; j += kN) {
-        const VF x = hn::Load(df, s + j);
-        const VF e = hn::IfThenZeroElse(hn::Eq(x, vninf), SoftmaxExp(df, hn::Sub(x, vm)));
-        vsum = hn::Add(vsum, e);
-        hn::Store(e, df, s + j);
-      }
-      if (m_new != m_old) {
-        const float alpha = std::exp(m_old - m_new);
-        const VF va = hn::Set(df, alpha);
-        for (int64_t i = 0; i < c.Dvp; i += kN)
-          hn::Store(hn::Mul(hn::Load(df, row + i), va), df, row + i);
-        row[c.Dvp + 1] *= alpha;
-      }
-      row[c.Dvp] = m_new;
-      row[c.Dvp + 1] += hn::GetLane(hn::SumOfLanes(df, vsum));
-    }
+    // Softcap, mask, online softmax, four rows at a time; p overwrites s (0 where hidden).
+    int64_t r4 = 0;
+    for (; r4 + 4 <= R; r4 += 4) TileSoftmaxRows<4>(df, c, b0, r4, t0, n, sc, st, rs);
+    if (R - r4 == 3) TileSoftmaxRows<3>(df, c, b0, r4, t0, n, sc, st, rs);
+    if (R - r4 == 2) TileSoftmaxRows<2>(df, c, b0, r4, t0, n, sc, st, rs);
+    if (R - r4 == 1) TileSoftmaxRows<1>(df, c, b0, r4, t0, n, sc, st, rs);
     ForEachRowBlock(R, [&]<int kR>(int64_t r) {
       TileAccumRows<kR>(df, sc + r * kTC, vt, c.Dvp, st + r * rs, rs);
     });
@@ -585,7 +645,7 @@ bool Attention(const TensorView& q, const TensorView& k, const TensorView& v,
   c.granule_words = use_decode || mask.data == nullptr
                         ? 0
                         : (c.L + 64 * attn::kGranuleCells - 1) / (64 * attn::kGranuleCells);
-  const size_t granule_bytes = static_cast<size_t>(c.B * c.granule_words) * 8;
+  const size_t granule_bytes = 2 * static_cast<size_t>(c.B * c.granule_words) * 8;  // both maps
   const size_t total_bytes =
       header_bytes + span_cap * 8 + plan_bytes + granule_bytes + partial_floats * 4 + 192;
   float* base = attn::ThreadScratch((total_bytes + 3) / 4, 0);
@@ -619,6 +679,29 @@ bool Attention(const TensorView& q, const TensorView& k, const TensorView& v,
       }
     } else {
       uint64_t* row_granules = granules + b * c.granule_words;
+      uint64_t* row_plain = granules + (c.B + b) * c.granule_words;
+      const char* mrow = static_cast<const char*>(mask.data) + static_cast<size_t>(b) * mask.nb[1];
+      const size_t mstride = mask.nb[0];
+      // Whether every mask value of cells [j0, j0 + kGranuleCells) is +-0 (the caches' visible
+      // cells): the bits less the sign are zero.
+      const auto plain_granule = [&](int64_t j0) {
+        const char* e = mrow + static_cast<size_t>(j0) * mstride;
+        const auto no_bits = [&](auto magnitude_bits) {  // elements as unsigned words, less sign
+          decltype(magnitude_bits) any = 0;
+          for (int64_t j = 0; j < attn::kGranuleCells; ++j) {
+            decltype(magnitude_bits) bits;
+            std::memcpy(&bits, e + static_cast<size_t>(j) * mstride, sizeof(bits));
+            any |= bits;
+          }
+          return (any & magnitude_bits) == 0;
+        };
+        if (mask.dtype == DType::kF32) return no_bits(uint32_t{0x7FFFFFFFu});
+        if (mask.dtype == DType::kF16) return no_bits(uint16_t{0x7FFFu});
+        for (int64_t j = j0; j < j0 + attn::kGranuleCells; ++j) {
+          if (attn::MaskValue(mask, b, j) != 0.0f) return false;
+        }
+        return true;
+      };
       const auto emit = [&](int64_t s0, int64_t s1) {
         if (use_decode) {
           spans[2 * ns] = static_cast<int32_t>(s0);
@@ -626,6 +709,10 @@ bool Attention(const TensorView& q, const TensorView& k, const TensorView& v,
           ++ns;
         } else {
           attn::SetBits(row_granules, s0 / attn::kGranuleCells, (s1 - 1) / attn::kGranuleCells);
+          for (int64_t g = (s0 + attn::kGranuleCells - 1) / attn::kGranuleCells;
+               (g + 1) * attn::kGranuleCells <= s1; ++g) {
+            if (plain_granule(g * attn::kGranuleCells)) attn::SetBits(row_plain, g, g);
+          }
         }
         lo = std::min<int32_t>(lo, static_cast<int32_t>(s0));
         hi = static_cast<int32_t>(s1);
@@ -633,8 +720,6 @@ bool Attention(const TensorView& q, const TensorView& k, const TensorView& v,
       // Every cell of every row is looked at on each call: f32 and f16 masks are compared as bits
       // with the one encoding of -inf (the only one that converts to -inf) instead of converting
       // each element.
-      const char* mrow = static_cast<const char*>(mask.data) + static_cast<size_t>(b) * mask.nb[1];
-      const size_t mstride = mask.nb[0];
       const auto scan_bits = [&](auto neg_inf_bits) {
         attn::ForEachVisibleSpan(
             c.L,
@@ -663,6 +748,7 @@ bool Attention(const TensorView& q, const TensorView& k, const TensorView& v,
   c.row_lo = row_lo;
   c.row_hi = row_hi;
   c.visible_granules = c.granule_words > 0 ? granules : nullptr;
+  c.plain_granules = c.granule_words > 0 ? granules + c.B * c.granule_words : nullptr;
   c.partials = partials;
   if (use_decode) {
     c.step_off = reinterpret_cast<int64_t*>(plan);

@@ -462,39 +462,6 @@ HWY_INLINE void AccumQuantInt(DF df, const char* vrow0, size_t vstride, int64_t 
 }
 #endif  // AVX3_DL
 
-#if HWY_TARGET != HWY_SCALAR
-// Horizontal sums of four vectors at once, [sum a0, sum a1, sum a2, sum a3]: two interleave-add
-// rounds inside each 128-bit block, then halves added down to 128 bits. About a third of the
-// shuffles of four separate SumOfLanes, which dominated the decode K loop.
-HWY_INLINE hn::Vec128<float> BlocksTo128(hn::Vec128<float> v) { return v; }
-#if HWY_CAP_GE256
-HWY_INLINE hn::Vec128<float> BlocksTo128(hn::Vec256<float> v) {
-  return hn::Add(hn::LowerHalf(v), hn::UpperHalf(hn::Full128<float>(), v));
-}
-#endif
-#if HWY_CAP_GE512
-HWY_INLINE hn::Vec128<float> BlocksTo128(hn::Vec512<float> v) {
-  return BlocksTo128(hn::Add(hn::LowerHalf(v), hn::UpperHalf(hn::Full256<float>(), v)));
-}
-#endif
-// Each 128-bit block of the result holds [sum x0, sum x1, sum x2, sum x3] over that block's lanes:
-// two interleave-add rounds inside the blocks.
-HWY_INLINE VF PairSums(DF df, VF x, VF y) {
-  return hn::Add(hn::InterleaveLower(df, x, y), hn::InterleaveUpper(df, x, y));
-}
-HWY_INLINE VF QuadSums(DF df, VF x0, VF x1, VF x2, VF x3) {
-  const VF t0 = PairSums(df, x0, x1);
-  const VF t1 = PairSums(df, x2, x3);
-  const hn::Repartition<uint64_t, DF> du;
-  return hn::Add(
-      hn::BitCast(df, hn::InterleaveLower(du, hn::BitCast(du, t0), hn::BitCast(du, t1))),
-      hn::BitCast(df, hn::InterleaveUpper(du, hn::BitCast(du, t0), hn::BitCast(du, t1))));
-}
-HWY_INLINE hn::Vec128<float> Reduce4(DF df, VF a0, VF a1, VF a2, VF a3) {
-  return BlocksTo128(QuadSums(df, a0, a1, a2, a3));
-}
-#endif
-
 // s[g] = dot(krow, qs + g * Dp) for kG heads; K converted once per vector, used by every head.
 template <DType T, int kG>
 HWY_INLINE void DotHeads(DF df, const void* krow, const float* qs, int64_t Dp, int64_t D, float* s,

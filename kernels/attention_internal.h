@@ -52,6 +52,15 @@ inline bool AnyBit(const uint64_t* words, int64_t first, int64_t last) {
   return false;
 }
 
+// Whether all of bits [first, last] of words are set.
+inline bool AllBits(const uint64_t* words, int64_t first, int64_t last) {
+  for (int64_t w = first / 64; w <= last / 64; ++w) {
+    const uint64_t want = BitsOfWordInRange(w, first, last);
+    if ((words[w] & want) != want) return false;
+  }
+  return true;
+}
+
 struct Ctx {
   TensorView q, k, v, mask, out;
   AttentionKernelParams p;
@@ -75,6 +84,9 @@ struct Ctx {
   // Bit g of row b's granule_words words: a cell of [kGranuleCells * g, + kGranuleCells) is
   // visible to row b. Null without a mask (every cell visible).
   const uint64_t* visible_granules = nullptr;
+  // The same for granules whose every cell is visible to row b with a mask value of +-0: a tile
+  // inside them adds nothing and hides nothing, so it is not read from the mask at all.
+  const uint64_t* plain_granules = nullptr;
   int64_t granule_words = 0;
   int64_t q_tile = 1, n_qtiles = 1;
   // Set by a task whose ThreadScratch failed (it returns at once, its results unwritten); Attention

@@ -111,7 +111,8 @@ enum class MaskKind {
   kChunk,
   kEmptyRow,
   kInterleavedBias,
-  kSequenceRuns
+  kSequenceRuns,
+  kSparseBias
 };
 
 const char* MaskName(MaskKind m) {
@@ -132,6 +133,8 @@ const char* MaskName(MaskKind m) {
       return "interleavedbias";
     case MaskKind::kSequenceRuns:
       return "sequenceruns";
+    case MaskKind::kSparseBias:
+      return "sparsebias";
   }
   return "?";
 }
@@ -182,10 +185,33 @@ std::vector<uint8_t> BuildSequenceRunsMask(int L, int B, DType mdt) {
   return out;
 }
 
+// kSparseBias: one sequence, each row causal up to its position (the batch the newest B cells) and
+// blind to the first 3 + b % 5 cells (so tiles start off the 16-cell granules); visible cells carry
+// 0 except a few: a finite bias every 53rd cell (row-dependent), -0 every 29th. Prefill reads the
+// mask only in tiles that are not wholly of +-0 values (plain granules): a tile with one biased
+// cell, anywhere in it, must still add it.
+std::vector<uint8_t> BuildSparseBiasMask(int L, int B, DType mdt) {
+  std::vector<uint8_t> out(static_cast<size_t>(L) * B * BlockBytes(mdt));
+  for (int b = 0; b < B; ++b) {
+    for (int j = 0; j < L; ++j) {
+      const bool visible = j >= 3 + b % 5 && j <= L - B + b;
+      float m = -kInf;
+      if (visible) {
+        m = 0.0f;
+        if (j % 29 == 0) m = -0.0f;
+        if (j % 53 == b % 7) m = -0.7f - 0.1f * static_cast<float>(b % 3);
+      }
+      StoreFromF32(out.data(), mdt, static_cast<size_t>(b) * L + j, m);
+    }
+  }
+  return out;
+}
+
 std::vector<uint8_t> BuildTestMask(MaskKind kind, int L, int B, DType mdt, std::mt19937& rng) {
   if (kind == MaskKind::kNone) return {};
   if (kind == MaskKind::kInterleavedBias) return BuildInterleavedBiasMask(L, B, mdt);
   if (kind == MaskKind::kSequenceRuns) return BuildSequenceRunsMask(L, B, mdt);
+  if (kind == MaskKind::kSparseBias) return BuildSparseBiasMask(L, B, mdt);
   std::vector<int32_t> pos(L);
   std::vector<uint64_t> bits(L);
   kernels::MaskRules rules;
@@ -1100,6 +1126,29 @@ TEST_P(AttentionTest, PrefillSkipsOnlyTilesNoRowSees) {
   }
 }
 
+// Prefill does not read the mask in tiles of plain granules (every cell visible with a mask value
+// of +-0) and reads it everywhere else: a causal mask with a few biased cells (kSparseBias), rows
+// whose tiles start off the granules, query rows in blocks of 4 and the 1 to 3 left over (G 1, 3,
+// 4 with B not a multiple of 4), f32 and f16 masks, 1 and 2 threads.
+TEST_P(AttentionTest, PrefillAddsSparseBiasesInsidePlainMasks) {
+  ThreadPool pool2(2);
+  int mi = 0;
+  for (auto [dt, perm] : DTypeLayouts()) {
+    for (int G : {1, 3, 4}) {
+      Case c;
+      c.dt = dt;
+      c.perm = perm;
+      c.G = G;
+      c.B = 41 + 2 * (mi % 3);
+      c.L = 300 + 7 * (mi % 4);
+      c.mask = MaskKind::kSparseBias;
+      c.mask_dt = mi % 2 == 0 ? DType::kF32 : DType::kF16;
+      ++mi;
+      CheckCase(c, {{AttentionMode::kPrefill, nullptr}, {AttentionMode::kPrefill, &pool2}});
+    }
+  }
+}
+
 // A fully masked row outputs exact zeros (no NaN) with and without sinks; L == 0 likewise.
 TEST_P(AttentionTest, FullyMaskedRowsAreZero) {
   std::mt19937 rng(7);
@@ -1327,7 +1376,7 @@ TEST(AttendTest, SequenceLayoutView) {
 // time it runs, none twice, and none outside the task (an asm prefetch names its address as a
 // memory operand: it must stay inside the history).
 // The prefill's granule bitmap: ranges across word boundaries, single bits, whole words.
-TEST(PrefillGranules, SetBitsAndAnyBitAgreeWithABoolArray) {
+TEST(PrefillGranules, SetBitsAnyBitAndAllBitsAgreeWithABoolArray) {
   constexpr int kBits = 200;
   std::mt19937 rng(3);
   for (int trial = 0; trial < 300; ++trial) {
@@ -1347,6 +1396,9 @@ TEST(PrefillGranules, SetBitsAndAnyBitAgreeWithABoolArray) {
         bool any = false;
         for (int i = first; i <= last; ++i) any = any || ref[i];
         ASSERT_EQ(kernels::attn::AnyBit(words, first, last), any) << first << ".." << last;
+        bool all = true;
+        for (int i = first; i <= last; ++i) all = all && ref[i];
+        ASSERT_EQ(kernels::attn::AllBits(words, first, last), all) << first << ".." << last;
       }
     }
   }
