@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <bit>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -285,6 +286,33 @@ void ForEachVisibleSpan(int64_t L, const Masked& masked, const Emit& emit) {
     const int64_t s0 = j;
     while (j < L && !masked(j)) ++j;
     emit(s0, j);
+  }
+}
+
+// Row b of an f32 or f16 mask [L, B] (elements packed) as two bitmaps of ceil(L / 64) words, bit j
+// of words[j / 64]: `hidden` where the element is -inf, `nonzero` where it is not +-0 (NaN, inf
+// and finite values other than zero). Bits from L on are clear. Dispatched (kernels/attention.cc).
+void MaskRowBits(const TensorView& mask, int64_t b, uint64_t* hidden, uint64_t* nonzero);
+
+// The first j' in [j, L) whose bit in words is `set` (bit j of words[j / 64]), or L.
+inline int64_t NextBit(const uint64_t* words, int64_t j, int64_t L, bool set) {
+  while (j < L) {
+    const uint64_t w = (set ? words[j / 64] : ~words[j / 64]) >> (j % 64);
+    if (w != 0) return std::min<int64_t>(L, j + std::countr_zero(w));
+    j = (j / 64 + 1) * 64;
+  }
+  return L;
+}
+
+// Calls emit(s0, s1) for each maximal run [s0, s1) of clear bits among bits [0, L) of words (the
+// visible cells of a mask row's `hidden` bitmap): ForEachVisibleSpan, a word at a time.
+template <class Emit>
+void ForEachClearRun(const uint64_t* words, int64_t L, const Emit& emit) {
+  int64_t j = NextBit(words, 0, L, false);
+  while (j < L) {
+    const int64_t s1 = NextBit(words, j, L, true);
+    emit(j, s1);
+    j = NextBit(words, s1, L, false);
   }
 }
 

@@ -1149,6 +1149,53 @@ TEST_P(AttentionTest, PrefillAddsSparseBiasesInsidePlainMasks) {
   }
 }
 
+// The mask scan (attn::MaskRowBits, vectors of 1 to 32 elements by target) against a scalar look
+// at every element: hidden (-inf) and nonzero (anything but +-0: biases, NaN, +inf, -inf) bits,
+// for f32 and f16 masks, lengths around the vector and word sizes, rows b > 0; and the visible
+// spans found from the bitmap (attn::ForEachClearRun) against attn::ForEachVisibleSpan.
+TEST_P(AttentionTest, MaskRowBitsMatchEveryElement) {
+  std::mt19937 rng(77);
+  const float values[] = {0.0f, -0.0f, -kInf, -kInf, -1.5f, 2.0f, kInf, std::nanf(""), 1e-30f};
+  for (DType mdt : {DType::kF32, DType::kF16}) {
+    for (int L : {1, 3, 15, 16, 17, 31, 63, 64, 65, 100, 128, 129, 257, 1000}) {
+      for (int trial = 0; trial < 4; ++trial) {
+        const int B = 3;
+        std::vector<uint8_t> mask(static_cast<size_t>(L) * B * BlockBytes(mdt));
+        for (int b = 0; b < B; ++b) {
+          // Runs of one value (as a cache's rows have), or every element drawn anew.
+          float v = values[rng() % std::size(values)];
+          for (int j = 0; j < L; ++j) {
+            if (trial % 2 == 1 || rng() % 9 == 0) v = values[rng() % std::size(values)];
+            StoreFromF32(mask.data(), mdt, static_cast<size_t>(b) * L + j, v);
+          }
+        }
+        const TensorView mv = MakeView(mask.data(), mdt, {L, B});
+        const int words = (L + 63) / 64;
+        for (int b = 0; b < B; ++b) {
+          std::vector<uint64_t> hidden(words, ~uint64_t{0}), nonzero(words, ~uint64_t{0});
+          kernels::attn::MaskRowBits(mv, b, hidden.data(), nonzero.data());
+          for (int j = 0; j < words * 64; ++j) {
+            const float x = j < L ? kernels::attn::MaskValue(mv, b, j) : 0.0f;
+            const bool want_hidden = j < L && x == -kInf;
+            const bool want_nonzero = j < L && !(x == 0.0f);
+            ASSERT_EQ((hidden[j / 64] >> (j % 64)) & 1, want_hidden ? 1u : 0u)
+                << "L=" << L << " b=" << b << " j=" << j;
+            ASSERT_EQ((nonzero[j / 64] >> (j % 64)) & 1, want_nonzero ? 1u : 0u)
+                << "L=" << L << " b=" << b << " j=" << j << " x=" << x;
+          }
+          std::vector<std::pair<int64_t, int64_t>> got, want;
+          kernels::attn::ForEachClearRun(hidden.data(), L,
+                                         [&](int64_t s0, int64_t s1) { got.emplace_back(s0, s1); });
+          kernels::attn::ForEachVisibleSpan(
+              L, [&](int64_t j) { return kernels::attn::MaskValue(mv, b, j) == -kInf; },
+              [&](int64_t s0, int64_t s1) { want.emplace_back(s0, s1); });
+          ASSERT_EQ(got, want) << "L=" << L << " b=" << b;
+        }
+      }
+    }
+  }
+}
+
 // A fully masked row outputs exact zeros (no NaN) with and without sinks; L == 0 likewise.
 TEST_P(AttentionTest, FullyMaskedRowsAreZero) {
   std::mt19937 rng(7);
