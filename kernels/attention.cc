@@ -654,7 +654,6 @@ bool Attention(const TensorView& q, const TensorView& k, const TensorView& v,
   const bool decode =
       params.mode == AttentionMode::kDecode || (params.mode == AttentionMode::kAuto && c.B < 8);
   const bool use_decode = decode && c.B <= kDecodeMaxRows;  // the decode plan's row limit
-  const float neg_inf = -std::numeric_limits<float>::infinity();
 
   // Visible spans (decode) or the visible box (prefill) of each row, found once from the mask.
   // Call-level scratch layout: [span_off: B + 1 int64][row_lo, row_hi: B int32
@@ -743,22 +742,14 @@ bool Attention(const TensorView& q, const TensorView& k, const TensorView& v,
     } else {
       uint64_t* row_granules = granules + b * c.granule_words;
       uint64_t* row_plain = granules + (c.B + b) * c.granule_words;
-      // f32 and f16 masks (the caches'): both bitmaps of the row in vectors. Other dtypes: a
-      // scalar look at each element.
-      const bool bitmaps = mask.dtype == DType::kF32 || mask.dtype == DType::kF16;
-      if (bitmaps) attn::MaskRowBits(mask, b, row_hidden, row_nonzero);
+      // The mask is f32 or f16 (the contract, checked by Attend): both bitmaps of the row.
+      attn::MaskRowBits(mask, b, row_hidden, row_nonzero);
       // Whether every mask value of cells [j0, j0 + kGranuleCells) is +-0 (the caches' visible
       // cells). A granule's 16 bits lie in one word.
       static_assert(64 % attn::kGranuleCells == 0);
       const auto plain_granule = [&](int64_t j0) {
-        if (bitmaps) {
-          const uint64_t granule_mask = (uint64_t{1} << attn::kGranuleCells) - 1;
-          return ((row_nonzero[j0 / 64] >> (j0 % 64)) & granule_mask) == 0;
-        }
-        for (int64_t j = j0; j < j0 + attn::kGranuleCells; ++j) {
-          if (attn::MaskValue(mask, b, j) != 0.0f) return false;
-        }
-        return true;
+        const uint64_t granule_mask = (uint64_t{1} << attn::kGranuleCells) - 1;
+        return ((row_nonzero[j0 / 64] >> (j0 % 64)) & granule_mask) == 0;
       };
       const auto emit = [&](int64_t s0, int64_t s1) {
         if (use_decode) {
@@ -775,12 +766,7 @@ bool Attention(const TensorView& q, const TensorView& k, const TensorView& v,
         lo = std::min<int32_t>(lo, static_cast<int32_t>(s0));
         hi = static_cast<int32_t>(s1);
       };
-      if (bitmaps) {
-        attn::ForEachClearRun(row_hidden, c.L, emit);
-      } else {
-        attn::ForEachVisibleSpan(
-            c.L, [&](int64_t j) { return attn::MaskValue(mask, b, j) == neg_inf; }, emit);
-      }
+      attn::ForEachClearRun(row_hidden, c.L, emit);
     }
     span_off[b + 1] = ns;
     row_lo[b] = lo;

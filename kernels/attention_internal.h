@@ -276,19 +276,6 @@ inline void FinishRow(const float* acc, float m, float l, const float* sink, int
   for (int64_t i = 0; i < Dv; ++i) o[i] = acc[i] * f;
 }
 
-// Calls emit(s0, s1) for each maximal run [s0, s1) of cells j in [0, L) where masked(j) is false.
-template <class Masked, class Emit>
-void ForEachVisibleSpan(int64_t L, const Masked& masked, const Emit& emit) {
-  int64_t j = 0;
-  while (j < L) {
-    while (j < L && masked(j)) ++j;
-    if (j == L) break;
-    const int64_t s0 = j;
-    while (j < L && !masked(j)) ++j;
-    emit(s0, j);
-  }
-}
-
 // Row b of an f32 or f16 mask [L, B] (elements packed) as two bitmaps of ceil(L / 64) words, bit j
 // of words[j / 64]: `hidden` where the element is -inf, `nonzero` where it is not +-0 (NaN, inf
 // and finite values other than zero). Bits from L on are clear. Dispatched (kernels/attention.cc).
@@ -305,7 +292,7 @@ inline int64_t NextBit(const uint64_t* words, int64_t j, int64_t L, bool set) {
 }
 
 // Calls emit(s0, s1) for each maximal run [s0, s1) of clear bits among bits [0, L) of words (the
-// visible cells of a mask row's `hidden` bitmap): ForEachVisibleSpan, a word at a time.
+// visible cells of a mask row's `hidden` bitmap), a word at a time.
 template <class Emit>
 void ForEachClearRun(const uint64_t* words, int64_t L, const Emit& emit) {
   int64_t j = NextBit(words, 0, L, false);

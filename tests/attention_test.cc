@@ -102,6 +102,20 @@ TestHistory MakeHistory(DType dt, int D, int Dv, int Hkv, int L, bool perm, std:
   return h;
 }
 
+// The scalar reference of attn::ForEachClearRun: emit(s0, s1) for each maximal run [s0, s1) of
+// cells j in [0, L) where masked(j) is false, one cell at a time.
+template <class Masked, class Emit>
+void ForEachVisibleSpan(int64_t L, const Masked& masked, const Emit& emit) {
+  int64_t j = 0;
+  while (j < L) {
+    while (j < L && masked(j)) ++j;
+    if (j == L) break;
+    const int64_t s0 = j;
+    while (j < L && !masked(j)) ++j;
+    emit(s0, j);
+  }
+}
+
 // Mask scenarios built by the mask kernel's reference from a cell table, as the caches do.
 enum class MaskKind {
   kNone,
@@ -1152,7 +1166,7 @@ TEST_P(AttentionTest, PrefillAddsSparseBiasesInsidePlainMasks) {
 // The mask scan (attn::MaskRowBits, vectors of 1 to 32 elements by target) against a scalar look
 // at every element: hidden (-inf) and nonzero (anything but +-0: biases, NaN, +inf, -inf) bits,
 // for f32 and f16 masks, lengths around the vector and word sizes, rows b > 0; and the visible
-// spans found from the bitmap (attn::ForEachClearRun) against attn::ForEachVisibleSpan.
+// spans found from the bitmap (attn::ForEachClearRun) against a scalar walk (ForEachVisibleSpan).
 TEST_P(AttentionTest, MaskRowBitsMatchEveryElement) {
   std::mt19937 rng(77);
   const float values[] = {0.0f, -0.0f, -kInf, -kInf, -1.5f, 2.0f, kInf, std::nanf(""), 1e-30f};
@@ -1186,7 +1200,7 @@ TEST_P(AttentionTest, MaskRowBitsMatchEveryElement) {
           std::vector<std::pair<int64_t, int64_t>> got, want;
           kernels::attn::ForEachClearRun(hidden.data(), L,
                                          [&](int64_t s0, int64_t s1) { got.emplace_back(s0, s1); });
-          kernels::attn::ForEachVisibleSpan(
+          ForEachVisibleSpan(
               L, [&](int64_t j) { return kernels::attn::MaskValue(mv, b, j) == -kInf; },
               [&](int64_t s0, int64_t s1) { want.emplace_back(s0, s1); });
           ASSERT_EQ(got, want) << "L=" << L << " b=" << b;
@@ -1580,7 +1594,7 @@ PlanSpans SpansOf(int64_t B, int64_t L, const Visible& visible) {
   PlanSpans ps;
   ps.span_off.push_back(0);
   for (int64_t b = 0; b < B; ++b) {
-    kernels::attn::ForEachVisibleSpan(
+    ForEachVisibleSpan(
         L, [&](int64_t j) { return !visible(b, j); },
         [&](int64_t s0, int64_t s1) {
           ps.spans.push_back(static_cast<int32_t>(s0));
