@@ -613,6 +613,74 @@ bool IsAmdFamily19h() {
   return false;
 #endif
 }
+
+// Row b's visible spans of a decode call, written to spans[0..2n) as [s0, s1) pairs; returns n.
+// lo / hi: the row's box (L and 0 when nothing is visible). row_bits: 2 * ((L + 63) / 64) words
+// of scratch. The mask is f32 or f16 (the contract, checked by Attend).
+int64_t ScanDecodeRow(const TensorView& mask, int64_t b, int64_t L, uint64_t* row_bits,
+                      int32_t* spans, int32_t& lo, int32_t& hi) {
+  uint64_t* hidden = row_bits;
+  attn::MaskRowBits(mask, b, hidden, row_bits + (L + 63) / 64);
+  int64_t n = 0;
+  lo = static_cast<int32_t>(L);
+  hi = 0;
+  attn::ForEachClearRun(hidden, L, [&](int64_t s0, int64_t s1) {
+    spans[2 * n] = static_cast<int32_t>(s0);
+    spans[2 * n + 1] = static_cast<int32_t>(s1);
+    ++n;
+    lo = std::min<int32_t>(lo, static_cast<int32_t>(s0));
+    hi = static_cast<int32_t>(s1);
+  });
+  return n;
+}
+
+// A prefill call's scan of its mask rows: each row's box [row_lo, row_hi) and its two granule
+// bitmaps (kGranuleCells cells per bit, granule_words words per row, zeroed by the caller): the
+// granules with a visible cell (rows [0, B) of `granules`), and the granules whose cells are all
+// visible with a mask value of +-0 (rows [B, 2B): a tile inside them is only scanned, the mask
+// not read). Task t scans rows [t * rows_per_task, ..) with its own bit_words words of row_bits.
+struct PrefillScan {
+  const TensorView* mask;
+  int64_t L, rows_per_task, B;
+  uint64_t* granules;
+  int64_t granule_words;
+  uint64_t* row_bits;
+  int64_t bit_words;  // per task: hidden cells, then nonzero values, (L + 63) / 64 words each
+  int32_t* row_lo;
+  int32_t* row_hi;
+};
+
+void ScanPrefillTask(void* ctx, int64_t task) {
+  const PrefillScan& s = *static_cast<const PrefillScan*>(ctx);
+  uint64_t* hidden = s.row_bits + task * s.bit_words;
+  uint64_t* nonzero = hidden + s.bit_words / 2;
+  const int64_t b1 = std::min(s.B, (task + 1) * s.rows_per_task);
+  for (int64_t b = task * s.rows_per_task; b < b1; ++b) {
+    uint64_t* row_granules = s.granules + b * s.granule_words;
+    uint64_t* row_plain = s.granules + (s.B + b) * s.granule_words;
+    attn::MaskRowBits(*s.mask, b, hidden, nonzero);
+    // Whether every mask value of granule g is +-0 (the caches' visible cells). A granule's bits
+    // lie in one word.
+    static_assert(64 % attn::kGranuleCells == 0);
+    const auto plain_granule = [&](int64_t g) {
+      const int64_t j0 = g * attn::kGranuleCells;
+      const uint64_t granule_mask = (uint64_t{1} << attn::kGranuleCells) - 1;
+      return ((nonzero[j0 / 64] >> (j0 % 64)) & granule_mask) == 0;
+    };
+    int32_t lo = static_cast<int32_t>(s.L), hi = 0;
+    attn::ForEachClearRun(hidden, s.L, [&](int64_t s0, int64_t s1) {
+      attn::SetBits(row_granules, s0 / attn::kGranuleCells, (s1 - 1) / attn::kGranuleCells);
+      for (int64_t g = (s0 + attn::kGranuleCells - 1) / attn::kGranuleCells;
+           (g + 1) * attn::kGranuleCells <= s1; ++g) {
+        if (plain_granule(g)) attn::SetBits(row_plain, g, g);
+      }
+      lo = std::min<int32_t>(lo, static_cast<int32_t>(s0));
+      hi = static_cast<int32_t>(s1);
+    });
+    s.row_lo[b] = lo;
+    s.row_hi[b] = hi;
+  }
+}
 }  // namespace
 
 PrefetchLevel ResolvePrefetchLevel(PrefetchLevel requested) {
@@ -702,9 +770,16 @@ bool Attention(const TensorView& q, const TensorView& k, const TensorView& v,
                         ? 0
                         : (c.L + 64 * attn::kGranuleCells - 1) / (64 * attn::kGranuleCells);
   const size_t granule_bytes = 2 * static_cast<size_t>(c.B * c.granule_words) * 8;  // both maps
-  // One mask row's bitmaps at a time (MaskRowBitsImpl): hidden cells, then nonzero values.
+  // One mask row's bitmaps at a time per scanning task (MaskRowBitsImpl): hidden cells, then
+  // nonzero values. A prefill call's rows are scanned on every thread (a masked 512 x 4096 call
+  // reads 8 MiB of mask before its tasks start), at least kMinScanRows rows per task.
+  constexpr int64_t kMinScanRows = 16;
+  const int64_t scan_tasks = !use_decode && mask.data != nullptr && threads > 1
+                                 ? std::clamp<int64_t>(c.B / kMinScanRows, 1, threads)
+                                 : 1;
+  const int64_t bit_words = 2 * ((c.L + 63) / 64);
   const size_t row_bits_bytes =
-      mask.data == nullptr ? 0 : 2 * static_cast<size_t>((c.L + 63) / 64) * 8;
+      mask.data == nullptr ? 0 : static_cast<size_t>(scan_tasks * bit_words) * 8;
   const size_t total_bytes = header_bytes + span_cap * 8 + plan_bytes + granule_bytes +
                              row_bits_bytes + partial_floats * 4 + 192;
   float* base = attn::ThreadScratch((total_bytes + 3) / 4, 0);
@@ -716,8 +791,7 @@ bool Attention(const TensorView& q, const TensorView& k, const TensorView& v,
   int32_t* spans = row_hi + c.B;
   char* plan = p8 + header_bytes + span_cap * 8;                        // 8-aligned
   uint64_t* granules = reinterpret_cast<uint64_t*>(plan + plan_bytes);  // 8-aligned
-  uint64_t* row_hidden = granules + 2 * c.B * c.granule_words;          // 8-aligned
-  uint64_t* row_nonzero = row_hidden + (c.L + 63) / 64;
+  uint64_t* row_bits = granules + 2 * c.B * c.granule_words;            // 8-aligned
   float* partials = reinterpret_cast<float*>(
       p8 +
       attn::Pad(static_cast<int64_t>(
@@ -726,51 +800,39 @@ bool Attention(const TensorView& q, const TensorView& k, const TensorView& v,
   if (c.granule_words > 0) std::memset(granules, 0, granule_bytes);
 
   span_off[0] = 0;
-  for (int64_t b = 0; b < c.B; ++b) {
-    int64_t ns = span_off[b];
-    int32_t lo = static_cast<int32_t>(c.L), hi = 0;
-    if (mask.data == nullptr) {
-      if (c.L > 0) {
-        lo = 0;
-        hi = static_cast<int32_t>(c.L);
-        if (use_decode) {
-          spans[2 * ns] = 0;
-          spans[2 * ns + 1] = static_cast<int32_t>(c.L);
-          ++ns;
-        }
+  if (mask.data == nullptr) {
+    for (int64_t b = 0; b < c.B; ++b) {
+      const bool any = c.L > 0;
+      if (use_decode && any) {
+        spans[2 * b] = 0;
+        spans[2 * b + 1] = static_cast<int32_t>(c.L);
       }
-    } else {
-      uint64_t* row_granules = granules + b * c.granule_words;
-      uint64_t* row_plain = granules + (c.B + b) * c.granule_words;
-      // The mask is f32 or f16 (the contract, checked by Attend): both bitmaps of the row.
-      attn::MaskRowBits(mask, b, row_hidden, row_nonzero);
-      // Whether every mask value of cells [j0, j0 + kGranuleCells) is +-0 (the caches' visible
-      // cells). A granule's 16 bits lie in one word.
-      static_assert(64 % attn::kGranuleCells == 0);
-      const auto plain_granule = [&](int64_t j0) {
-        const uint64_t granule_mask = (uint64_t{1} << attn::kGranuleCells) - 1;
-        return ((row_nonzero[j0 / 64] >> (j0 % 64)) & granule_mask) == 0;
-      };
-      const auto emit = [&](int64_t s0, int64_t s1) {
-        if (use_decode) {
-          spans[2 * ns] = static_cast<int32_t>(s0);
-          spans[2 * ns + 1] = static_cast<int32_t>(s1);
-          ++ns;
-        } else {
-          attn::SetBits(row_granules, s0 / attn::kGranuleCells, (s1 - 1) / attn::kGranuleCells);
-          for (int64_t g = (s0 + attn::kGranuleCells - 1) / attn::kGranuleCells;
-               (g + 1) * attn::kGranuleCells <= s1; ++g) {
-            if (plain_granule(g * attn::kGranuleCells)) attn::SetBits(row_plain, g, g);
-          }
-        }
-        lo = std::min<int32_t>(lo, static_cast<int32_t>(s0));
-        hi = static_cast<int32_t>(s1);
-      };
-      attn::ForEachClearRun(row_hidden, c.L, emit);
+      span_off[b + 1] = use_decode && any ? b + 1 : 0;
+      row_lo[b] = any ? 0 : static_cast<int32_t>(c.L);
+      row_hi[b] = any ? static_cast<int32_t>(c.L) : 0;
     }
-    span_off[b + 1] = ns;
-    row_lo[b] = lo;
-    row_hi[b] = hi;
+  } else if (use_decode) {
+    for (int64_t b = 0; b < c.B; ++b) {
+      span_off[b + 1] = span_off[b] + ScanDecodeRow(mask, b, c.L, row_bits, spans + 2 * span_off[b],
+                                                    row_lo[b], row_hi[b]);
+    }
+  } else {
+    PrefillScan scan{.mask = &mask,
+                     .L = c.L,
+                     .rows_per_task = (c.B + scan_tasks - 1) / scan_tasks,
+                     .B = c.B,
+                     .granules = granules,
+                     .granule_words = c.granule_words,
+                     .row_bits = row_bits,
+                     .bit_words = bit_words,
+                     .row_lo = row_lo,
+                     .row_hi = row_hi};
+    if (scan_tasks == 1) {
+      ScanPrefillTask(&scan, 0);
+    } else {
+      pf.run(pf.user, scan_tasks, ScanPrefillTask, &scan);
+    }
+    for (int64_t b = 0; b < c.B; ++b) span_off[b + 1] = 0;
   }
   c.spans = spans;
   c.span_off = span_off;
