@@ -284,6 +284,17 @@ HWY_INLINE void ForEachRowBlock(int64_t R, const F& f) {
   for (; r < R; ++r) f.template operator()<1>(r);
 }
 
+// Calls f.template operator()<4>(r) for blocks of four rows covering rows [0, R), then once for the
+// 1-3 rows left (kR their count): TileSoftmaxRows' blocks, which reduce four rows at a time.
+template <class F>
+HWY_INLINE void ForEachRowQuad(int64_t R, const F& f) {
+  int64_t r = 0;
+  for (; r + 4 <= R; r += 4) f.template operator()<4>(r);
+  if (R - r == 3) f.template operator()<3>(r);
+  if (R - r == 2) f.template operator()<2>(r);
+  if (R - r == 1) f.template operator()<1>(r);
+}
+
 // Row b's scores s[0..kTC) of the tile at cell t0 (n cells of history) made ready for the
 // softmax, in place: softcapped, the mask value added, and -inf outside the row's visible box or
 // past the history. Returns the largest score in `vmax` (lane-wise, with what it held) and sets
@@ -326,8 +337,7 @@ HWY_INLINE void MaskRowScores(DF df, const Ctx& c, int64_t b, int64_t t0, int64_
     if (mrow != nullptr) {
       VF mv;
       if (j + static_cast<int64_t>(kN) <= n) {
-        mv = c.mask.dtype == DType::kF16 ? LoadFloat<DType::kF16>(df, mrow, j)
-                                         : LoadFloat<DType::kF32>(df, mrow, j);
+        mv = LoadMaskValues(df, c.mask.dtype, mrow, j);
       } else {
         HWY_ALIGN float tmp[kN] = {};
         for (int64_t t = j; t < n; ++t) tmp[t - j] = attn::MaskValue(c.mask, b, t0 + t);
@@ -487,11 +497,8 @@ void PrefillTask(const Ctx& c, int64_t task) {
       TileScoresRows<kR>(df, qs + r * c.Dp, c.Dp, c.D, kt, sc + r * kTC);
     });
     // Softcap, mask, online softmax, four rows at a time; p overwrites s (0 where hidden).
-    int64_t r4 = 0;
-    for (; r4 + 4 <= R; r4 += 4) TileSoftmaxRows<4>(df, c, b0, r4, t0, n, sc, st, rs);
-    if (R - r4 == 3) TileSoftmaxRows<3>(df, c, b0, r4, t0, n, sc, st, rs);
-    if (R - r4 == 2) TileSoftmaxRows<2>(df, c, b0, r4, t0, n, sc, st, rs);
-    if (R - r4 == 1) TileSoftmaxRows<1>(df, c, b0, r4, t0, n, sc, st, rs);
+    ForEachRowQuad(
+        R, [&]<int kR>(int64_t r) { TileSoftmaxRows<kR>(df, c, b0, r, t0, n, sc, st, rs); });
     ForEachRowBlock(R, [&]<int kR>(int64_t r) {
       TileAccumRows<kR>(df, sc + r * kTC, vt, c.Dvp, st + r * rs, rs);
     });

@@ -1205,8 +1205,7 @@ HWY_INLINE void SoftmaxHeads(DF df, const Ctx& c, int64_t b, int64_t g0, int64_t
     VF mv = hn::Zero(df);
     for (int g = 0; g < kG; ++g) {
       if (masked && new_row[g]) {
-        mv = c.mask.dtype == DType::kF16 ? LoadFloat<DType::kF16>(df, mrow[g], j)
-                                         : LoadFloat<DType::kF32>(df, mrow[g], j);
+        mv = LoadMaskValues(df, c.mask.dtype, mrow[g], j);
       }
       const VF x = hn::Add(hn::Load(df, s + g * s_stride + j), mv);
       hn::Store(x, df, s + g * s_stride + j);

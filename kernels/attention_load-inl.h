@@ -64,6 +64,13 @@ HWY_INLINE VF LoadFloatTail(DF df, const void* row, int64_t i, int64_t n) {
   return hn::Load(df, buf);
 }
 
+// Mask values [i, i + kN) of one mask row, f32 or f16 (the kernels' contract, checked by Attend).
+// Precondition: i + kN <= the row's length.
+HWY_INLINE VF LoadMaskValues(DF df, DType mask_dtype, const void* row, int64_t i) {
+  return mask_dtype == DType::kF16 ? LoadFloat<DType::kF16>(df, row, i)
+                                   : LoadFloat<DType::kF32>(df, row, i);
+}
+
 // Codes of elements [i, i + kN) of a quantized row as f32 (not yet scaled). i % kN == 0.
 template <DType T>
 HWY_INLINE VF LoadCodes(DF df, const void* row, int64_t i) {
