@@ -288,9 +288,10 @@ void BM_Decode(benchmark::State& state) {
 // q8_0 against f16 with the calls alternating, so that both see the same machine: the ratio of
 // the best calls is the per-call speedup. q8intv / q8intk / q8intkv: q8_0 with
 // AttentionParams::integer_v (the V pass in int16 arithmetic), integer_k (the K pass), both.
-// *_vs_f16_med: the median over iterations of each iteration's f16 time / q8_0 time (adjacent
-// calls). A shared host's neighbours move the best calls of a run by 10% and more; the paired
-// ratio is moved only by what changes between two adjacent calls. Args: D, L, threads.
+// *_vs_f16_med: the median over iterations of each iteration's f16 time / q8_0 time (the five
+// calls of an iteration run back to back). A shared host's neighbours move the best calls of a
+// run by 10% and more; the paired ratio only by what changes within an iteration (10-40 ms).
+// Args: D, L, threads.
 void BM_DecodeQ8VsF16Interleaved(benchmark::State& state) {
   const int D = static_cast<int>(state.range(0));
   const int L = static_cast<int>(state.range(1));
