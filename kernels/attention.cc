@@ -645,22 +645,23 @@ int64_t ScanDecodeRow(const TensorView& mask, int64_t b, int64_t L, uint64_t* ro
 // bitmaps (kGranuleCells cells per bit, granule_words words per row, zeroed by the caller): the
 // granules with a visible cell (rows [0, B) of `granules`), and the granules whose cells are all
 // visible with a mask value of +-0 (rows [B, 2B): a tile inside them is only scanned, the mask
-// not read). Task t scans rows [t * rows_per_task, ..) with its own bit_words words of row_bits.
+// not read). Task t scans rows [t * rows_per_task, ..) with its own 2 * ((L + 63) / 64) words of
+// row_bits: a row's hidden cells, then its nonzero values (MaskRowBits).
 struct PrefillScan {
   const TensorView* mask;
   int64_t L, rows_per_task, B;
   uint64_t* granules;
   int64_t granule_words;
   uint64_t* row_bits;
-  int64_t bit_words;  // per task: hidden cells, then nonzero values, (L + 63) / 64 words each
   int32_t* row_lo;
   int32_t* row_hi;
 };
 
 void ScanPrefillTask(void* ctx, int64_t task) {
   const PrefillScan& s = *static_cast<const PrefillScan*>(ctx);
-  uint64_t* hidden = s.row_bits + task * s.bit_words;
-  uint64_t* nonzero = hidden + s.bit_words / 2;
+  const int64_t words = (s.L + 63) / 64;
+  uint64_t* hidden = s.row_bits + task * 2 * words;
+  uint64_t* nonzero = hidden + words;
   const int64_t b1 = std::min(s.B, (task + 1) * s.rows_per_task);
   for (int64_t b = task * s.rows_per_task; b < b1; ++b) {
     uint64_t* row_granules = s.granules + b * s.granule_words;
@@ -784,9 +785,8 @@ bool Attention(const TensorView& q, const TensorView& k, const TensorView& v,
   const int64_t scan_tasks = !use_decode && mask.data != nullptr && threads > 1
                                  ? std::clamp<int64_t>(c.B / kMinScanRows, 1, threads)
                                  : 1;
-  const int64_t bit_words = 2 * ((c.L + 63) / 64);
   const size_t row_bits_bytes =
-      mask.data == nullptr ? 0 : static_cast<size_t>(scan_tasks * bit_words) * 8;
+      mask.data == nullptr ? 0 : static_cast<size_t>(scan_tasks * 2 * ((c.L + 63) / 64)) * 8;
   const size_t total_bytes = header_bytes + span_cap * 8 + plan_bytes + granule_bytes +
                              row_bits_bytes + partial_floats * 4 + 192;
   float* base = attn::ThreadScratch((total_bytes + 3) / 4, 0);
@@ -831,7 +831,6 @@ bool Attention(const TensorView& q, const TensorView& k, const TensorView& v,
                      .granules = granules,
                      .granule_words = c.granule_words,
                      .row_bits = row_bits,
-                     .bit_words = bit_words,
                      .row_lo = row_lo,
                      .row_hi = row_hi};
     if (scan_tasks == 1) {
