@@ -563,7 +563,7 @@ HWY_INLINE void RowBits(D d, const TU* row, int64_t L, TU neg_inf, TU magnitude,
 // RowBits for row b of an f32 or f16 mask (nb[0] == element size); the words are cleared first.
 void MaskRowBitsImpl(const TensorView& mask, int64_t b, uint64_t* hidden, uint64_t* nonzero) {
   const int64_t L = mask.ne[0];
-  const int64_t words = (L + 63) / 64;
+  const int64_t words = attn::MaskRowBitWords(L);
   for (int64_t w = 0; w < words; ++w) hidden[w] = nonzero[w] = 0;
   const char* row = static_cast<const char*>(mask.data) + static_cast<size_t>(b) * mask.nb[1];
   if (mask.dtype == DType::kF32) {
@@ -622,12 +622,12 @@ bool IsAmdFamily19h() {
 }
 
 // Row b's visible spans of a decode call, written to spans[0..2n) as [s0, s1) pairs; returns n.
-// lo / hi: the row's box (L and 0 when nothing is visible). row_bits: 2 * ((L + 63) / 64) words
+// lo / hi: the row's box (L and 0 when nothing is visible). row_bits: 2 * MaskRowBitWords(L) words
 // of scratch. The mask is f32 or f16 (the contract, checked by Attend).
 int64_t ScanDecodeRow(const TensorView& mask, int64_t b, int64_t L, uint64_t* row_bits,
                       int32_t* spans, int32_t& lo, int32_t& hi) {
   uint64_t* hidden = row_bits;
-  attn::MaskRowBits(mask, b, hidden, row_bits + (L + 63) / 64);
+  attn::MaskRowBits(mask, b, hidden, row_bits + attn::MaskRowBitWords(L));
   int64_t n = 0;
   lo = static_cast<int32_t>(L);
   hi = 0;
@@ -645,7 +645,7 @@ int64_t ScanDecodeRow(const TensorView& mask, int64_t b, int64_t L, uint64_t* ro
 // bitmaps (kGranuleCells cells per bit, granule_words words per row, zeroed by the caller): the
 // granules with a visible cell (rows [0, B) of `granules`), and the granules whose cells are all
 // visible with a mask value of +-0 (rows [B, 2B): a tile inside them is only scanned, the mask
-// not read). Task t scans rows [t * rows_per_task, ..) with its own 2 * ((L + 63) / 64) words of
+// not read). Task t scans rows [t * rows_per_task, ..) with its own 2 * MaskRowBitWords(L) words of
 // row_bits: a row's hidden cells, then its nonzero values (MaskRowBits).
 struct PrefillScan {
   const TensorView* mask;
@@ -659,7 +659,7 @@ struct PrefillScan {
 
 void ScanPrefillTask(void* ctx, int64_t task) {
   const PrefillScan& s = *static_cast<const PrefillScan*>(ctx);
-  const int64_t words = (s.L + 63) / 64;
+  const int64_t words = attn::MaskRowBitWords(s.L);
   uint64_t* hidden = s.row_bits + task * 2 * words;
   uint64_t* nonzero = hidden + words;
   const int64_t b1 = std::min(s.B, (task + 1) * s.rows_per_task);
@@ -786,7 +786,8 @@ bool Attention(const TensorView& q, const TensorView& k, const TensorView& v,
                                  ? std::clamp<int64_t>(c.B / kMinScanRows, 1, threads)
                                  : 1;
   const size_t row_bits_bytes =
-      mask.data == nullptr ? 0 : static_cast<size_t>(scan_tasks * 2 * ((c.L + 63) / 64)) * 8;
+      mask.data == nullptr ? 0
+                           : static_cast<size_t>(scan_tasks * 2 * attn::MaskRowBitWords(c.L)) * 8;
   const size_t total_bytes = header_bytes + span_cap * 8 + plan_bytes + granule_bytes +
                              row_bits_bytes + partial_floats * 4 + 192;
   float* base = attn::ThreadScratch((total_bytes + 3) / 4, 0);

@@ -276,9 +276,13 @@ inline void FinishRow(const float* acc, float m, float l, const float* sink, int
   for (int64_t i = 0; i < Dv; ++i) o[i] = acc[i] * f;
 }
 
-// Row b of an f32 or f16 mask [L, B] (elements packed) as two bitmaps of ceil(L / 64) words, bit j
-// of words[j / 64]: `hidden` where the element is -inf, `nonzero` where it is not +-0 (NaN, inf
-// and finite values other than zero). Bits from L on are clear. Dispatched (kernels/attention.cc).
+// Words of one of MaskRowBits' bitmaps for a mask row of L elements.
+inline constexpr int64_t MaskRowBitWords(int64_t L) { return (L + 63) / 64; }
+
+// Row b of an f32 or f16 mask [L, B] (elements packed) as two bitmaps of MaskRowBitWords(L) words,
+// bit j of words[j / 64]: `hidden` where the element is -inf, `nonzero` where it is not +-0 (NaN,
+// inf and finite values other than zero). Bits from L on are clear. Dispatched
+// (kernels/attention.cc).
 void MaskRowBits(const TensorView& mask, int64_t b, uint64_t* hidden, uint64_t* nonzero);
 
 // The first j' in [j, L) whose bit in words is `set` (bit j of words[j / 64]), or L.
