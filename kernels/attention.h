@@ -59,10 +59,11 @@
 // conversions), 1.06-1.42x with integer_k. Prefill, 512 x 4096 at head_dim 128, runs at ~0.77 of
 // the FMA peak measured in the same run (0.75 on the AVX2 target of a Zen 3, session 22). The
 // dispatched AVX-512 decode is ~1.4x the same code pinned to AVX2. On the Emerald Rapids Xeon of
-// session 23 (two 512-bit FMA ports, ~11 GB/s read per core) f16 decode from memory reads
-// 0.94-1.06 of the read bandwidth on 1 and 2 threads, q8_0 is 1.45-1.70x as fast per call as f16
-// (with QuantVScaling::kWeights), and prefill runs at 0.61-0.70 of the FMA peak. The README's
-// Performance section has the current table, perf/HISTORY.md the earlier machines and runs.
+// sessions 23-29 (two 512-bit FMA ports, ~11 GB/s read per core) f16 decode from memory reads
+// 0.94-1.11 of the read bandwidth on 1 and 2 threads, q8_0 is 1.33-1.86x as fast per call as f16
+// (with QuantVScaling::kWeights; head_dim 64 on 2 threads is the low end), and prefill runs at
+// 0.54-0.72 of the FMA peak. The README's Known gaps has the targets by machine, its Performance
+// section the current tables, perf/HISTORY.md every run.
 //
 // Masked cells are never read in decode; prefill reads whole tiles, so K/V of hidden cells must be
 // finite there (the caches zero-fill their storage).
