@@ -23,6 +23,7 @@
 
 #include <algorithm>
 #include <array>
+#include <bit>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -621,20 +622,49 @@ bool IsAmdFamily19h() {
 #endif
 }
 
-// Row b's visible spans of a decode call, written to spans[0..2n) as [s0, s1) pairs; returns n.
-// lo / hi: the row's box (L and 0 when nothing is visible). row_bits: 2 * MaskRowBitWords(L) words
-// of scratch. The mask is f32 or f16 (the contract, checked by Attend).
-int64_t ScanDecodeRow(const TensorView& mask, int64_t b, int64_t L, uint64_t* row_bits,
-                      int32_t* spans, int32_t& lo, int32_t& hi) {
+// Where one mask row's scan writes (ScanRow). Null outputs are not written.
+struct RowScanOut {
+  int32_t* spans = nullptr;      // [s0, s1) pairs of visible cells, ascending (decode)
+  uint64_t* granules = nullptr;  // the granules with a visible cell (prefill), zeroed by the caller
+  uint64_t* plain = nullptr;  // the granules all visible with mask values of +-0 (prefill), zeroed
+};
+
+// Row b of the mask (f32 or f16, the contract, checked by Attend): MaskRowBits into row_bits (2 *
+// MaskRowBitWords(L) words of scratch: the hidden cells, then the nonzero values), then one walk
+// over the visible runs writing what `out` asks for. lo / hi: the row's box (L and 0 when nothing
+// is visible). Returns the number of spans (visible runs).
+int64_t ScanRow(const TensorView& mask, int64_t b, int64_t L, uint64_t* row_bits,
+                const RowScanOut& out, int32_t& lo, int32_t& hi) {
+  const int64_t words = attn::MaskRowBitWords(L);
   uint64_t* hidden = row_bits;
-  attn::MaskRowBits(mask, b, hidden, row_bits + attn::MaskRowBitWords(L));
+  const uint64_t* nonzero = row_bits + words;
+  attn::MaskRowBits(mask, b, hidden, row_bits + words);
+  // Whether every mask value of granule g is +-0 (the caches' visible cells). A granule's bits
+  // lie in one word.
+  static_assert(64 % attn::kGranuleCells == 0);
+  const auto plain_granule = [&](int64_t g) {
+    const int64_t j0 = g * attn::kGranuleCells;
+    const uint64_t granule_mask = (uint64_t{1} << attn::kGranuleCells) - 1;
+    return ((nonzero[j0 / 64] >> (j0 % 64)) & granule_mask) == 0;
+  };
   int64_t n = 0;
   lo = static_cast<int32_t>(L);
   hi = 0;
   attn::ForEachClearRun(hidden, L, [&](int64_t s0, int64_t s1) {
-    spans[2 * n] = static_cast<int32_t>(s0);
-    spans[2 * n + 1] = static_cast<int32_t>(s1);
+    if (out.spans != nullptr) {
+      out.spans[2 * n] = static_cast<int32_t>(s0);
+      out.spans[2 * n + 1] = static_cast<int32_t>(s1);
+    }
     ++n;
+    if (out.granules != nullptr) {
+      attn::SetBits(out.granules, s0 / attn::kGranuleCells, (s1 - 1) / attn::kGranuleCells);
+    }
+    if (out.plain != nullptr) {
+      for (int64_t g = (s0 + attn::kGranuleCells - 1) / attn::kGranuleCells;
+           (g + 1) * attn::kGranuleCells <= s1; ++g) {
+        if (plain_granule(g)) attn::SetBits(out.plain, g, g);
+      }
+    }
     lo = std::min<int32_t>(lo, static_cast<int32_t>(s0));
     hi = static_cast<int32_t>(s1);
   });
@@ -646,7 +676,9 @@ int64_t ScanDecodeRow(const TensorView& mask, int64_t b, int64_t L, uint64_t* ro
 // granules with a visible cell (rows [0, B) of `granules`), and the granules whose cells are all
 // visible with a mask value of +-0 (rows [B, 2B): a tile inside them is only scanned, the mask
 // not read). Task t scans rows [t * rows_per_task, ..) with its own 2 * MaskRowBitWords(L) words of
-// row_bits: a row's hidden cells, then its nonzero values (MaskRowBits).
+// row_bits. With `spans` it records each row's visible spans too: row b's at spans + 2 * b *
+// span_row_cap and their count in span_count[b]; PackSpans then lays them out as decode's scan
+// does.
 struct PrefillScan {
   const TensorView* mask;
   int64_t L, rows_per_task, B;
@@ -655,39 +687,76 @@ struct PrefillScan {
   uint64_t* row_bits;
   int32_t* row_lo;
   int32_t* row_hi;
+  int32_t* spans = nullptr;
+  int64_t span_row_cap = 0;  // pairs: a row has at most L / 2 + 1 spans
+  int64_t* span_count = nullptr;
 };
 
 void ScanPrefillTask(void* ctx, int64_t task) {
   const PrefillScan& s = *static_cast<const PrefillScan*>(ctx);
-  const int64_t words = attn::MaskRowBitWords(s.L);
-  uint64_t* hidden = s.row_bits + task * 2 * words;
-  uint64_t* nonzero = hidden + words;
+  uint64_t* row_bits = s.row_bits + task * 2 * attn::MaskRowBitWords(s.L);
   const int64_t b1 = std::min(s.B, (task + 1) * s.rows_per_task);
   for (int64_t b = task * s.rows_per_task; b < b1; ++b) {
-    uint64_t* row_granules = s.granules + b * s.granule_words;
-    uint64_t* row_plain = s.granules + (s.B + b) * s.granule_words;
-    attn::MaskRowBits(*s.mask, b, hidden, nonzero);
-    // Whether every mask value of granule g is +-0 (the caches' visible cells). A granule's bits
-    // lie in one word.
-    static_assert(64 % attn::kGranuleCells == 0);
-    const auto plain_granule = [&](int64_t g) {
-      const int64_t j0 = g * attn::kGranuleCells;
-      const uint64_t granule_mask = (uint64_t{1} << attn::kGranuleCells) - 1;
-      return ((nonzero[j0 / 64] >> (j0 % 64)) & granule_mask) == 0;
-    };
-    int32_t lo = static_cast<int32_t>(s.L), hi = 0;
-    attn::ForEachClearRun(hidden, s.L, [&](int64_t s0, int64_t s1) {
-      attn::SetBits(row_granules, s0 / attn::kGranuleCells, (s1 - 1) / attn::kGranuleCells);
-      for (int64_t g = (s0 + attn::kGranuleCells - 1) / attn::kGranuleCells;
-           (g + 1) * attn::kGranuleCells <= s1; ++g) {
-        if (plain_granule(g)) attn::SetBits(row_plain, g, g);
-      }
-      lo = std::min<int32_t>(lo, static_cast<int32_t>(s0));
-      hi = static_cast<int32_t>(s1);
-    });
-    s.row_lo[b] = lo;
-    s.row_hi[b] = hi;
+    RowScanOut out;
+    out.granules = s.granules + b * s.granule_words;
+    out.plain = s.granules + (s.B + b) * s.granule_words;
+    if (s.spans != nullptr) out.spans = s.spans + 2 * b * s.span_row_cap;
+    const int64_t n = ScanRow(*s.mask, b, s.L, row_bits, out, s.row_lo[b], s.row_hi[b]);
+    if (s.spans != nullptr) s.span_count[b] = n;
   }
+}
+
+// Moves the rows' spans, recorded span_row_cap pairs apart with their counts in counts[b], down to
+// decode's packed layout: row b's at spans[2 * span_off[b] ..), span_off[0] = 0. counts may alias
+// span_off + 1 (each count is read before its slot is written).
+void PackSpans(int32_t* spans, int64_t span_row_cap, const int64_t* counts, int64_t B,
+               int64_t* span_off) {
+  int64_t at = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t n = counts[b];
+    if (at != b * span_row_cap) {  // at <= b * span_row_cap: a move down, in row order
+      std::memmove(spans + 2 * at, spans + 2 * b * span_row_cap, static_cast<size_t>(n) * 8);
+    }
+    span_off[b] = at;
+    at += n;
+  }
+  span_off[B] = at;
+}
+
+// Prefill is chosen while it computes at most this many times decode's (row, cell) pairs.
+// Measured on the Emerald Rapids Xeon (session 29, f16, calls alternating): rows of one sequence
+// (ratio ~1) ran 1.1-1.3x faster as prefill at head_dim 64 from 8 rows on, 0.95-1.12x at 128; a
+// fresh causal prompt (ratio ~2) 1.2-3.3x faster as decode at 8-32 rows, 1.15x slower at 64; rows
+// of different sequences (ratio 4-8) 3-8x faster as decode.
+constexpr double kPrefillPairsOverDecode = 1.5;
+
+// Decode or prefill for a call of 8 to kDecodeMaxRows rows (AttentionMode::kAuto), from its scan:
+// the (row, cell) pairs each would compute. Decode computes each row's visible cells; prefill
+// computes every row of a task (q_tile consecutive rows) over every 64-cell tile that any of them
+// sees (kTC on AVX-512; 128 on the narrower targets, where this undercounts a little). Rows of one
+// sequence (a chunk of a prompt, speculative decoding's draft tokens) see nearly the same cells and
+// prefill's register-blocked tiles are faster there; rows of different sequences (batched decode)
+// see mostly their own cells, which prefill would compute for every row of the task. spans /
+// span_off: the rows' spans, packed (decode's layout); granules: the rows' visible granules.
+bool PreferDecode(const int32_t* spans, const int64_t* span_off, const uint64_t* granules,
+                  int64_t granule_words, int64_t B, int64_t q_tile) {
+  double decode_pairs = 0;
+  for (int64_t i = 0; i < span_off[B]; ++i) decode_pairs += spans[2 * i + 1] - spans[2 * i];
+  double prefill_pairs = 0;
+  for (int64_t b0 = 0; b0 < B; b0 += q_tile) {
+    const int64_t b1 = std::min(B, b0 + q_tile);
+    int64_t tiles = 0;
+    for (int64_t w = 0; w < granule_words; ++w) {
+      uint64_t any = 0;
+      for (int64_t b = b0; b < b1; ++b) any |= granules[b * granule_words + w];
+      // A 64-cell tile is 4 granules of 16: one bit per nibble that has any bit set.
+      static_assert(attn::kGranuleCells == 16);
+      const uint64_t nibbles = (any | any >> 1 | any >> 2 | any >> 3) & 0x1111111111111111u;
+      tiles += std::popcount(nibbles);
+    }
+    prefill_pairs += static_cast<double>(b1 - b0) * static_cast<double>(tiles) * 64.0;
+  }
+  return prefill_pairs > kPrefillPairsOverDecode * decode_pairs;
 }
 }  // namespace
 
@@ -729,14 +798,21 @@ bool Attention(const TensorView& q, const TensorView& k, const TensorView& v,
   const int threads = std::max(1, pf.run != nullptr ? pf.num_threads : 1);
   const bool decode =
       params.mode == AttentionMode::kDecode || (params.mode == AttentionMode::kAuto && c.B < 8);
-  const bool use_decode = decode && c.B <= kDecodeMaxRows;  // the decode plan's row limit
+  bool use_decode = decode && c.B <= kDecodeMaxRows;  // the decode plan's row limit
+  // kAuto from 8 rows to the plan's limit, with a mask: decode or prefill, whichever computes fewer
+  // (row, cell) pairs (PreferDecode), decided after the scan, which then records both the decode
+  // spans and the prefill granules. Batched decode of 8 or more sequences ran 3-8x slower as
+  // prefill (session 29), which computes every row of a task over the cells any of them sees.
+  const bool choose_after_scan = params.mode == AttentionMode::kAuto && !use_decode &&
+                                 c.B <= kDecodeMaxRows && mask.data != nullptr;
+  const bool may_decode = use_decode || choose_after_scan;
 
   // Visible spans (decode) or the visible box (prefill) of each row, found once from the mask.
   // Call-level scratch layout: [span_off: B + 1 int64][row_lo, row_hi: B int32
   // each][spans][partials].
   const size_t span_cap =
-      use_decode ? static_cast<size_t>(c.B) * static_cast<size_t>(c.L / 2 + 1) : 0;
-  if (use_decode) {
+      may_decode ? static_cast<size_t>(c.B) * static_cast<size_t>(c.L / 2 + 1) : 0;
+  if (may_decode) {
     // One thread runs a single task over every head: nothing to merge. With more threads a long
     // history is split into chunks of cells, each task walking every KV head of its chunk one
     // after the other: on 2 threads at 32768 cells that was 7-13% faster than one task per KV head
@@ -764,10 +840,10 @@ bool Attention(const TensorView& q, const TensorView& k, const TensorView& v,
     c.n_chunks = std::max<int64_t>(1, (c.L + c.chunk - 1) / c.chunk);
   }
   const size_t partial_floats =
-      use_decode ? static_cast<size_t>(c.Hkv * c.n_chunks * c.B * c.G * attn::PartialStride(c)) : 0;
+      may_decode ? static_cast<size_t>(c.Hkv * c.n_chunks * c.B * c.G * attn::PartialStride(c)) : 0;
   // The decode walk (kernels/decode_plan.h): step offsets per chunk, then the steps.
   const size_t plan_bytes =
-      use_decode ? static_cast<size_t>(c.n_chunks + 1) * 8 +
+      may_decode ? static_cast<size_t>(c.n_chunks + 1) * 8 +
                        static_cast<size_t>(MaxDecodeSteps(c.B, c.L, params.v_permuted)) *
                            sizeof(DecodeStep)
                  : 0;
@@ -807,6 +883,10 @@ bool Attention(const TensorView& q, const TensorView& k, const TensorView& v,
           4);
   if (c.granule_words > 0) std::memset(granules, 0, granule_bytes);
 
+  // Prefill's rows per task: about 128 query rows, so that the K/V tile conversion (and K's
+  // transposition) is amortized over that many rows; 256 measured no faster (f16, head_dim 128,
+  // 512 x 4096).
+  const int64_t q_tile = std::clamp<int64_t>(128 / c.G, 1, 64);
   span_off[0] = 0;
   if (mask.data == nullptr) {
     for (int64_t b = 0; b < c.B; ++b) {
@@ -821,8 +901,10 @@ bool Attention(const TensorView& q, const TensorView& k, const TensorView& v,
     }
   } else if (use_decode) {
     for (int64_t b = 0; b < c.B; ++b) {
-      span_off[b + 1] = span_off[b] + ScanDecodeRow(mask, b, c.L, row_bits, spans + 2 * span_off[b],
-                                                    row_lo[b], row_hi[b]);
+      RowScanOut row_out;
+      row_out.spans = spans + 2 * span_off[b];
+      span_off[b + 1] =
+          span_off[b] + ScanRow(mask, b, c.L, row_bits, row_out, row_lo[b], row_hi[b]);
     }
   } else {
     PrefillScan scan{.mask = &mask,
@@ -834,12 +916,24 @@ bool Attention(const TensorView& q, const TensorView& k, const TensorView& v,
                      .row_bits = row_bits,
                      .row_lo = row_lo,
                      .row_hi = row_hi};
+    if (choose_after_scan) {
+      scan.spans = spans;
+      scan.span_row_cap = c.L / 2 + 1;  // span_cap's share per row
+      scan.span_count = span_off + 1;
+    }
     if (scan_tasks == 1) {
       ScanPrefillTask(&scan, 0);
     } else {
       pf.run(pf.user, scan_tasks, ScanPrefillTask, &scan);
     }
-    for (int64_t b = 0; b < c.B; ++b) span_off[b + 1] = 0;
+    if (choose_after_scan) {
+      PackSpans(spans, scan.span_row_cap, span_off + 1, c.B, span_off);
+      use_decode = PreferDecode(spans, span_off, granules, c.granule_words, c.B, q_tile);
+      if (use_decode) c.granule_words = 0;  // decode reads no granules
+    }
+    if (!use_decode) {
+      for (int64_t b = 0; b < c.B; ++b) span_off[b + 1] = 0;
+    }
   }
   c.spans = spans;
   c.span_off = span_off;
@@ -853,9 +947,7 @@ bool Attention(const TensorView& q, const TensorView& k, const TensorView& v,
     c.steps = reinterpret_cast<DecodeStep*>(plan + static_cast<size_t>(c.n_chunks + 1) * 8);
   }
   if (!use_decode) {
-    // About 128 query rows per task: the K/V tile conversion (and K's transposition) is
-    // amortized over that many rows; 256 measured no faster (f16, head_dim 128, 512 x 4096).
-    c.q_tile = std::clamp<int64_t>(128 / c.G, 1, 64);
+    c.q_tile = q_tile;
     c.n_qtiles = (c.B + c.q_tile - 1) / c.q_tile;
   }
   if (use_decode) {

@@ -334,9 +334,14 @@ void CheckCase(const Case& c, std::initializer_list<Run> given) {
   // way of applying the block scales in the f32 V pass (kAuto is one of them), and over q8_0
   // with the integer K pass, alone and with integer V.
   std::vector<Run> runs(given);
+  // kAuto may run decode up to kDecodeMaxRows rows (from 8 rows on it picks per call: see
+  // AutoModeDecodesSequencesAndPrefillsSharedRows); its runs get decode's extra runs and bounds.
+  const auto may_decode = [&](AttentionMode mode) {
+    return mode == AttentionMode::kDecode ||
+           (mode == AttentionMode::kAuto && c.B <= kernels::kDecodeMaxRows);
+  };
   for (const Run& r : given) {
-    const bool decode =
-        r.mode == AttentionMode::kDecode || (r.mode == AttentionMode::kAuto && c.B < 8);
+    const bool decode = may_decode(r.mode);
     if (decode && IsQuantized(c.dt) && !c.perm) {
       runs.push_back({r.mode, r.pool, true});
       for (auto scaling : {kernels::QuantVScaling::kCodes, kernels::QuantVScaling::kWeights})
@@ -407,8 +412,7 @@ void CheckCase(const Case& c, std::initializer_list<Run> given) {
                  " integer_v=" + std::to_string(run.integer_v) + " integer_k=" +
                  std::to_string(run.integer_k) + " float_k=" + std::to_string(run.float_k) +
                  " quant_v_scaling=" + std::to_string(static_cast<int>(run.quant_v_scaling)));
-    const bool decode =
-        run.mode == AttentionMode::kDecode || (run.mode == AttentionMode::kAuto && c.B < 8);
+    const bool decode = may_decode(run.mode);
     const bool k24 = decode && c.dt == DType::kQ8_0 && !run.integer_k && !run.float_k;
     const double run_tol = tol + (run.integer_v ? kIntegerVTol : 0.0) +
                            (run.integer_k ? int_k_tol : 0.0) + (k24 ? int_k24_tol : 0.0);
@@ -1062,6 +1066,94 @@ TEST_P(AttentionTest, RowsSeeingTheSameCellsRunTogether) {
         c.sinks = i % 4 == 0;
         CheckCase(c, {{AttentionMode::kDecode, nullptr}, {AttentionMode::kDecode, &pool2}});
       }
+    }
+  }
+}
+
+// AttentionMode::kAuto from 8 rows up to the decode plan's limit (kDecodeMaxRows) runs decode when
+// prefill would compute far more (row, cell) pairs than the rows see, as in batched decode of
+// several sequences, and prefill when the rows see nearly the same cells (a prompt chunk or
+// speculative decoding's draft tokens over one sequence). Until session 29 kAuto ran prefill from 8
+// rows on, which computes every row of a task over every cell any of them sees: batched decode of
+// 8-16 sequences ran 4-8x slower. The choice shows in the bits: the two modes round differently
+// (checked first, so that the comparison can tell them apart), and kAuto must give the chosen
+// mode's output exactly. 1 and 2 threads.
+TEST_P(AttentionTest, AutoModeDecodesSequencesAndPrefillsSharedRows) {
+  ThreadPool pool2(2);
+  constexpr int kD = 64, kHkv = 2, kG = 4, kHq = kHkv * kG;
+  constexpr int kRun = 40;  // each sequence's cells, when the rows are of different sequences
+  int i = 0, told_apart = 0;
+  for (DType dt : {DType::kF32, DType::kF16, DType::kQ8_0}) {
+    for (int B : {8, 16, static_cast<int>(kernels::kDecodeMaxRows)}) {
+      for (bool shared : {false, true}) {
+        // shared: row b sees cells [0, L - B + 1 + b), the newest B cells causally; else row b
+        // sees its own run [kRun * b, kRun * (b + 1)).
+        const int L = shared ? 600 : kRun * B;
+        SCOPED_TRACE(std::string(DTypeName(dt)) + " B=" + std::to_string(B) +
+                     (shared ? " one sequence" : " a sequence per row"));
+        std::mt19937 rng(77u + static_cast<uint32_t>(i++));
+        TestHistory h = MakeHistory(dt, kD, kD, kHkv, L, false, rng);
+        std::vector<float> q(static_cast<size_t>(kD) * B * kHq);
+        std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+        for (float& x : q) x = u(rng);
+        std::vector<float> mask(static_cast<size_t>(L) * B, -kInf);
+        for (int b = 0; b < B; ++b) {
+          const int lo = shared ? 0 : kRun * b;
+          const int hi = shared ? L - B + 1 + b : kRun * (b + 1);
+          for (int j = lo; j < hi; ++j) mask[static_cast<size_t>(b) * L + j] = 0.0f;
+        }
+        const TensorView qv = MakeView(q.data(), DType::kF32, {kD, B, kHq});
+        const TensorView mv = MakeView(mask.data(), DType::kF32, {L, B});
+        for (ThreadPool* pool : {static_cast<ThreadPool*>(nullptr), &pool2}) {
+          const kernels::ParallelForFn pf = KernelParallelFor(pool);
+          std::vector<float> outs[3];
+          const AttentionMode modes[3] = {AttentionMode::kDecode, AttentionMode::kPrefill,
+                                          AttentionMode::kAuto};
+          for (int m = 0; m < 3; ++m) {
+            outs[m].assign(static_cast<size_t>(kD) * B * kHq, 12345.0f);
+            TensorView ov = MakeView(outs[m].data(), DType::kF32, {kD, B, kHq});
+            kernels::AttentionKernelParams kp;
+            kp.scale = 1.0f / std::sqrt(static_cast<float>(kD));
+            kp.mode = modes[m];
+            ASSERT_TRUE(kernels::Attention(qv, h.k, h.v, mv, kp, pf, &ov));
+          }
+          const size_t bytes = outs[0].size() * sizeof(float);
+          // Where the two modes give the same bits (SCALAR's loops can) the case tells nothing.
+          if (std::memcmp(outs[0].data(), outs[1].data(), bytes) == 0) continue;
+          ++told_apart;
+          const std::vector<float>& expected = shared ? outs[1] : outs[0];
+          EXPECT_EQ(std::memcmp(outs[2].data(), expected.data(), bytes), 0)
+              << "kAuto did not run " << (shared ? "prefill" : "decode")
+              << (pool != nullptr ? " (2 threads)" : " (1 thread)");
+        }
+      }
+    }
+  }
+  // Every case on every thread count; SCALAR told 12 of the 36 apart when this was written.
+  if (TargetNow() != "SCALAR") {
+    EXPECT_EQ(told_apart, 36);
+  }
+}
+
+// kAuto from 8 rows on against the reference, over batched decode's masks (four sequences with
+// biases and interleaved decode cells; three sequences in runs of 37 cells), where it mostly picks
+// decode: every storage type and V layout, 8, 13 and 64 rows, 1 and 4 query heads per KV head, 1
+// and 2 threads.
+TEST_P(AttentionTest, AutoModeManyRowsMatchesTheReference) {
+  ThreadPool pool2(2);
+  int mi = 0;
+  for (auto [dt, perm] : DTypeLayouts()) {
+    for (MaskKind mask : {MaskKind::kInterleavedBias, MaskKind::kSequenceRuns}) {
+      Case c;
+      c.dt = dt;
+      c.perm = perm;
+      c.G = mi % 2 == 0 ? 4 : 1;
+      c.B = mi % 3 == 0 ? 8 : (mi % 3 == 1 ? 13 : static_cast<int>(kernels::kDecodeMaxRows));
+      c.L = 420;
+      c.mask = mask;
+      c.mask_dt = mi % 4 < 2 ? DType::kF32 : DType::kF16;
+      ++mi;
+      CheckCase(c, {{AttentionMode::kAuto, nullptr}, {AttentionMode::kAuto, &pool2}});
     }
   }
 }
