@@ -1075,7 +1075,7 @@ TEST_P(AttentionTest, RowsSeeingTheSameCellsRunTogether) {
 // several sequences, and prefill when the rows see nearly the same cells (a prompt chunk or
 // speculative decoding's draft tokens over one sequence). Until session 29 kAuto ran prefill from 8
 // rows on, which computes every row of a task over every cell any of them sees: batched decode of
-// 8-16 sequences ran 4-8x slower. The choice shows in the bits: the two modes round differently
+// 8-16 sequences ran 3-8x slower. The choice shows in the bits: the two modes round differently
 // (checked first, so that the comparison can tell them apart), and kAuto must give the chosen
 // mode's output exactly. 1 and 2 threads.
 TEST_P(AttentionTest, AutoModeDecodesSequencesAndPrefillsSharedRows) {
