@@ -74,7 +74,10 @@
 //
 // Scratch: each thread that runs tasks keeps one thread_local buffer, grown to the largest shape it
 // has seen; the calling thread also keeps the span lists and decode partials. After the first call
-// with a given shape and thread count no call allocates.
+// with a given shape and thread count no call allocates. The span list and the decode plan are
+// sized for the worst mask, about 5 bytes per row and cell of history; a kAuto call of 8 to 64
+// rows with a mask reserves them even when it then runs prefill, since it chooses after the scan
+// (64 rows over 131072 cells: ~41 MiB on the calling thread).
 #ifndef KVCACHE_KERNELS_ATTENTION_H_
 #define KVCACHE_KERNELS_ATTENTION_H_
 
