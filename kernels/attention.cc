@@ -810,8 +810,9 @@ bool Attention(const TensorView& q, const TensorView& k, const TensorView& v,
   // Visible spans (decode) or the visible box (prefill) of each row, found once from the mask.
   // Call-level scratch layout: [span_off: B + 1 int64][row_lo, row_hi: B int32
   // each][spans][partials].
+  const int64_t span_row_cap = c.L / 2 + 1;  // a row's spans at most: every other cell visible
   const size_t span_cap =
-      may_decode ? static_cast<size_t>(c.B) * static_cast<size_t>(c.L / 2 + 1) : 0;
+      may_decode ? static_cast<size_t>(c.B) * static_cast<size_t>(span_row_cap) : 0;
   if (may_decode) {
     // One thread runs a single task over every head: nothing to merge. With more threads a long
     // history is split into chunks of cells, each task walking every KV head of its chunk one
@@ -918,7 +919,7 @@ bool Attention(const TensorView& q, const TensorView& k, const TensorView& v,
                      .row_hi = row_hi};
     if (choose_after_scan) {
       scan.spans = spans;
-      scan.span_row_cap = c.L / 2 + 1;  // span_cap's share per row
+      scan.span_row_cap = span_row_cap;
       scan.span_count = span_off + 1;
     }
     if (scan_tasks == 1) {
