@@ -297,7 +297,10 @@ void FuzzAttention(Reader& r) {
   const int64_t D = quant ? 32 * r.Int(1, 2) : r.Pick(dims);
   const int64_t Dv = quant ? 32 * r.Int(1, 2) : (r.OneIn(2) ? D : r.Pick(dims));
   const int64_t Hkv = r.Int(1, 2), G = r.Int(1, 3), Hq = Hkv * G;
-  const int64_t L = r.Int(1, 300), B = r.OneIn(3) ? r.Int(8, 20) : r.Int(1, 7);
+  // B: decode's sizes, kAuto's choice between decode and prefill (8-20), and now and then more
+  // rows than one decode plan serves (65-140: decode and kAuto run them in groups).
+  const int64_t L = r.Int(1, 300);
+  const int64_t B = r.OneIn(3) ? (r.OneIn(5) ? r.Int(65, 140) : r.Int(8, 20)) : r.Int(1, 7);
   const bool perm = !quant && r.OneIn(4);
   const bool head_major = r.OneIn(2);
   // K [D, Hkv, L] and V (plain [Dv, Hkv, L] or permuted [L, Dv, Hkv]) in storage dtype t.

@@ -772,9 +772,15 @@ QuantVScaling ResolveQuantVScaling(QuantVScaling requested) {
   return resolved;
 }
 
-bool Attention(const TensorView& q, const TensorView& k, const TensorView& v,
-               const TensorView& mask, const AttentionKernelParams& params, const ParallelForFn& pf,
-               TensorView* out) {
+namespace {
+
+// Attention over at most kDecodeMaxRows rows for decode, any number for prefill (Attention below
+// splits larger calls that may decode). prefill_deferred (kAuto only, may be null): when the
+// kAuto choice made after the scan is prefill, set it and return without computing, so that the
+// caller can run consecutive such groups as one prefill call.
+bool AttentionRows(const TensorView& q, const TensorView& k, const TensorView& v,
+                   const TensorView& mask, const AttentionKernelParams& params,
+                   const ParallelForFn& pf, TensorView* out, bool* prefill_deferred) {
   std::atomic<bool> scratch_failed{false};
   attn::Ctx c;
   c.scratch_failed = &scratch_failed;
@@ -931,6 +937,10 @@ bool Attention(const TensorView& q, const TensorView& k, const TensorView& v,
       PackSpans(spans, scan.span_row_cap, span_off + 1, c.B, span_off);
       use_decode = PreferDecode(spans, span_off, granules, c.granule_words, c.B, q_tile);
       if (use_decode) c.granule_words = 0;  // decode reads no granules
+      if (!use_decode && prefill_deferred != nullptr) {
+        *prefill_deferred = true;
+        return true;
+      }
     }
     if (!use_decode) {
       for (int64_t b = 0; b < c.B; ++b) span_off[b + 1] = 0;
@@ -957,6 +967,56 @@ bool Attention(const TensorView& q, const TensorView& k, const TensorView& v,
     HWY_DYNAMIC_DISPATCH(PrefillImpl)(c, pf);
   }
   return !scratch_failed.load(std::memory_order_relaxed);  // the tasks have all returned
+}
+
+// Rows [r0, r1) of a [.., B, ..] view (q, out: dim 1) or of the mask ([L, B]: dim 1 too).
+TensorView RowsOf(const TensorView& t, int64_t r0, int64_t r1) {
+  TensorView rows = t;
+  if (t.data == nullptr) return rows;  // no mask
+  rows.data = static_cast<char*>(t.data) + static_cast<size_t>(r0) * t.nb[1];
+  rows.ne[1] = r1 - r0;
+  return rows;
+}
+
+}  // namespace
+
+// A call of more than kDecodeMaxRows rows that may decode (kDecode, or kAuto with a mask) runs in
+// groups of consecutive rows, as equal as can be and none over the plan's limit (65 rows: 33 and
+// 32, so every group has the 8 rows from which kAuto chooses). Under kAuto each group chooses
+// after its scan, as a call of that many rows would: batched decode of 65+ sequences decodes, and
+// a mixed batch (a prompt chunk of one sequence, then one new token of each of many) runs each
+// part its own way. Groups that choose prefill are not run at once: each run of consecutive ones
+// becomes one prefill call, tiled as a call of those rows alone would be, so that a prompt of 512
+// rows loses none of prefill's tasks and runs bit for bit as before; what it pays is the groups'
+// scans of its mask (read twice: 4 bytes per row and cell, next to prefill's ~4 * Hq * D flops).
+bool Attention(const TensorView& q, const TensorView& k, const TensorView& v,
+               const TensorView& mask, const AttentionKernelParams& params, const ParallelForFn& pf,
+               TensorView* out) {
+  const int64_t B = q.ne[1];
+  const bool auto_mode = params.mode == AttentionMode::kAuto;
+  const bool in_groups = B > kDecodeMaxRows && (params.mode == AttentionMode::kDecode ||
+                                                (auto_mode && mask.data != nullptr));
+  if (!in_groups) return AttentionRows(q, k, v, mask, params, pf, out, nullptr);
+  const int64_t groups = (B + kDecodeMaxRows - 1) / kDecodeMaxRows;
+  AttentionKernelParams prefill_params = params;
+  prefill_params.mode = AttentionMode::kPrefill;
+  const auto run = [&](int64_t r0, int64_t r1, const AttentionKernelParams& p, bool* deferred) {
+    TensorView rows_out = RowsOf(*out, r0, r1);
+    return AttentionRows(RowsOf(q, r0, r1), k, v, RowsOf(mask, r0, r1), p, pf, &rows_out, deferred);
+  };
+  int64_t prefill_from = -1;  // the first row of the groups that chose prefill, not yet run
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t r0 = g * B / groups, r1 = (g + 1) * B / groups;
+    bool deferred = false;
+    if (!run(r0, r1, params, auto_mode ? &deferred : nullptr)) return false;
+    if (deferred) {
+      if (prefill_from < 0) prefill_from = r0;
+    } else if (prefill_from >= 0) {
+      if (!run(prefill_from, r0, prefill_params, nullptr)) return false;
+      prefill_from = -1;
+    }
+  }
+  return prefill_from < 0 || run(prefill_from, B, prefill_params, nullptr);
 }
 
 }  // namespace kv::kernels

@@ -39,11 +39,14 @@
 //     the tile's visible box; tiles outside it are skipped), plus Q and out once. FLOPs =
 //     4 * B * Hq * D * L_box, so per byte of K/V streamed the kernel does ~Bt * G * 4 * D / R
 //     flops: ~128 for f16 at D 128 (R = 512), compute-bound by a wide margin.
-//   Mode (kAuto): decode for B < 8; from 8 rows up to kDecodeMaxRows (64) with a mask, whichever
-//     computes fewer (row, cell) pairs, decided from the mask's scan: prefill computes every row
-//     of a task over every tile any of them sees, so rows of different sequences (batched decode)
-//     run as decode (3-5x faster than prefill for 8-16 sequences, session 29) and rows of one
-//     sequence (a prompt chunk, draft tokens) as prefill; above 64 rows, or with no mask, prefill.
+//   Mode (kAuto): decode for B < 8; from 8 rows on with a mask, whichever computes fewer (row,
+//     cell) pairs, decided from the mask's scan: prefill computes every row of a task over every
+//     tile any of them sees, so rows of different sequences (batched decode) run as decode (3-5x
+//     faster than prefill for 8-16 sequences, session 29) and rows of one sequence (a prompt
+//     chunk, draft tokens) as prefill; with no mask, prefill. Above kDecodeMaxRows (64) rows, the
+//     decode plan's limit, the choice is made per group of at most 64 consecutive rows (as equal
+//     as can be), and consecutive groups that chose prefill run as one prefill call; kDecode
+//     above 64 rows runs its groups as decode.
 // Quantized K/V are dequantized in registers (decode) or into the f32 tile (prefill); no f32 copy
 // of the history is ever made.
 //
@@ -75,9 +78,10 @@
 // Scratch: each thread that runs tasks keeps one thread_local buffer, grown to the largest shape it
 // has seen; the calling thread also keeps the span lists and decode partials. After the first call
 // with a given shape and thread count no call allocates. The span list and the decode plan are
-// sized for the worst mask, about 5 bytes per row and cell of history; a kAuto call of 8 to 64
-// rows with a mask reserves them even when it then runs prefill, since it chooses after the scan
-// (64 rows over 131072 cells: ~41 MiB on the calling thread).
+// sized for the worst mask, about 5 bytes per row and cell of history (at most 64 rows: larger
+// calls reuse them group by group); a kAuto call of 8 rows or more with a mask reserves them even
+// when it then runs prefill, since it chooses after the scan (64 rows over 131072 cells: ~41 MiB
+// on the calling thread).
 #ifndef KVCACHE_KERNELS_ATTENTION_H_
 #define KVCACHE_KERNELS_ATTENTION_H_
 

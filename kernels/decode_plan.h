@@ -22,8 +22,8 @@ inline constexpr int64_t kDecodeBlockCells = 128;
 // else from a copy.
 inline constexpr int64_t kDecodeShortSpan = 16;
 
-// Batch rows a plan serves (its per-row cursors live on the stack); Attention runs larger
-// batches as prefill.
+// Batch rows a plan serves (its per-row cursors live on the stack); Attention splits larger
+// batches that may decode into groups of at most this many rows.
 inline constexpr int64_t kDecodeMaxRows = 64;
 
 enum class DecodeStepKind : int8_t {

@@ -641,27 +641,33 @@ void BM_DecodeSharedCells(benchmark::State& state) {
 }
 
 // 8 rows and more under AttentionMode::kAuto: decode or prefill, whichever computes fewer (row,
-// cell) pairs (since session 29), against prefill, which kAuto ran from 8 rows on before. Shapes
-// (arg 2): 0 and 1, batched decode of 8 and 16 sequences (a shared 1024-token system prompt, a
+// cell) pairs (since session 29; above 64 rows per group of rows since session 30), against
+// prefill, which kAuto ran from 8 rows on before (above 64 rows, until session 30). Shapes (arg
+// 2): 0 and 1, batched decode of 8 and 16 sequences (a shared 1024-token system prompt, a
 // 1024-token prompt of each sequence's own, one new token per sequence), where kAuto picks decode;
 // 2, 16 new tokens of one sequence after 4096 (a prompt chunk, or speculative decoding's draft
-// tokens), where it picks prefill. auto_vs_prefill > 1 where kAuto is faster (best calls, and
-// means). Args: q8 (0: f16, 1: q8_0), threads, shape.
+// tokens), where it picks prefill; 3, batched decode of 128 sequences (the shared 1024 tokens, 256
+// of each sequence's own), where it decodes in two groups of 64 rows; 4, a 512-token prompt chunk
+// of one sequence after 4096, where every group of 64 rows picks prefill and they run as one call
+// (what kAuto pays there is the groups' scans of the mask). auto_vs_prefill > 1 where kAuto is
+// faster (best calls, and means). Args: q8 (0: f16, 1: q8_0), threads, shape.
 void BM_DecodeAutoManyRows(benchmark::State& state) {
   const kv::DType dtype = state.range(0) != 0 ? kv::DType::kQ8_0 : kv::DType::kF16;
   const int threads = static_cast<int>(state.range(1));
   const int shape = static_cast<int>(state.range(2));
-  const int seqs = shape == 0 ? 8 : (shape == 1 ? 16 : 1);
-  const int rows = shape == 2 ? 16 : seqs;
-  const int system = shape == 2 ? 0 : 1024, own = shape == 2 ? 4096 : 1024;
+  const bool one_sequence = shape == 2 || shape == 4;
+  const int seqs = shape == 0 ? 8 : (shape == 1 ? 16 : (shape == 3 ? 128 : 1));
+  const int rows = shape == 2 ? 16 : (shape == 4 ? 512 : seqs);
+  const int system = one_sequence ? 0 : 1024;
+  const int own = one_sequence ? 4096 : (shape == 3 ? 256 : 1024);
   CacheFiller f(13);
   bool ok = f.cache->Init(dtype, seqs, system + own + rows, 512).ok();
   ok = ok && (system == 0 || f.Prompt(0, 0, system));
   for (int s = 1; ok && s < seqs; ++s) ok = f.cache->CopyPrefix(0, s, system).ok();
   for (int s = 0; ok && s < seqs; ++s) ok = f.Prompt(s, system, own);
   for (int r = 0; r < rows; ++r) {  // the batch the calls serve
-    f.pos[r] = system + own + (shape == 2 ? r : 0);
-    f.seq[r] = shape == 2 ? 0 : r;
+    f.pos[r] = system + own + (one_sequence ? r : 0);
+    f.seq[r] = one_sequence ? 0 : r;
   }
   ok = ok && f.Put(rows);
   if (!ok) {
@@ -674,7 +680,8 @@ void BM_DecodeAutoManyRows(benchmark::State& state) {
         kp.mode = c == 0 ? kv::kernels::AttentionMode::kAuto : kv::kernels::AttentionMode::kPrefill;
       });
   state.SetLabel(std::string(dtype == kv::DType::kF16 ? "f16 " : "q8_0 ") +
-                 (shape == 2 ? "one sequence, 16 tokens" : std::to_string(seqs) + " sequences") +
+                 (one_sequence ? "one sequence, " + std::to_string(rows) + " tokens"
+                               : std::to_string(seqs) + " sequences") +
                  " L " + std::to_string(L));
 }
 
@@ -816,7 +823,7 @@ BENCHMARK(BM_DecodeSharedCells)
     ->MinTime(1.0)
     ->UseRealTime();
 BENCHMARK(BM_DecodeAutoManyRows)
-    ->ArgsProduct({{0, 1}, {1, 2}, {0, 1, 2}})
+    ->ArgsProduct({{0, 1}, {1, 2}, {0, 1, 2, 3, 4}})
     ->Unit(benchmark::kMicrosecond)
     ->MinTime(1.0)
     ->UseRealTime();

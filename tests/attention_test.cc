@@ -29,6 +29,8 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "core/attend.h"
@@ -334,11 +336,11 @@ void CheckCase(const Case& c, std::initializer_list<Run> given) {
   // way of applying the block scales in the f32 V pass (kAuto is one of them), and over q8_0
   // with the integer K pass, alone and with integer V.
   std::vector<Run> runs(given);
-  // kAuto may run decode up to kDecodeMaxRows rows (from 8 rows on it picks per call: see
-  // AutoModeDecodesSequencesAndPrefillsSharedRows); its runs get decode's extra runs and bounds.
+  // kAuto may run decode at any B (from 8 rows on it picks per call or per group of rows: see
+  // AutoModeDecodesSequencesAndPrefillsSharedRows and AutoModeGroupsRowsBeyondTheDecodeLimit); its
+  // runs get decode's extra runs and bounds.
   const auto may_decode = [&](AttentionMode mode) {
-    return mode == AttentionMode::kDecode ||
-           (mode == AttentionMode::kAuto && c.B <= kernels::kDecodeMaxRows);
+    return mode == AttentionMode::kDecode || mode == AttentionMode::kAuto;
   };
   for (const Run& r : given) {
     const bool decode = may_decode(r.mode);
@@ -1154,6 +1156,116 @@ TEST_P(AttentionTest, AutoModeManyRowsMatchesTheReference) {
       c.mask_dt = mi % 4 < 2 ? DType::kF32 : DType::kF16;
       ++mi;
       CheckCase(c, {{AttentionMode::kAuto, nullptr}, {AttentionMode::kAuto, &pool2}});
+    }
+  }
+}
+
+// More rows than one decode plan serves (kDecodeMaxRows): kDecode, and kAuto with a mask, run
+// them in groups of at most 64 consecutive rows, as equal as can be; under kAuto each group
+// chooses decode or prefill after its scan and consecutive groups that chose prefill run as one
+// prefill call. Until session 30 such calls always ran as prefill, which computed every row of a
+// task over the cells any of them sees: batched decode of 65+ sequences paid that, and kDecode
+// was silently ignored. The choice shows in the bits (as in the test above): rows of one sequence
+// must give kPrefill's bits (the merged groups tile the rows as one call does), rows of a
+// sequence each kDecode's (whose groups are the same), and a mixed batch of 128 rows (64 of a
+// prompt chunk, then 64 sequences' new tokens) each half its own mode's. 1 and 2 threads.
+TEST_P(AttentionTest, AutoModeGroupsRowsBeyondTheDecodeLimit) {
+  ThreadPool pool2(2);
+  constexpr int kD = 64, kHkv = 2, kG = 4, kHq = kHkv * kG;
+  constexpr int kRun = 12;      // each sequence's own cells
+  constexpr int kPrompt = 300;  // the one sequence's cells (shape 1) or the prompt (shape 2)
+  enum Shape { kSequencePerRow, kOneSequence, kPromptThenSequences };
+  int i = 0, told_apart = 0;
+  for (DType dt : {DType::kF16, DType::kQ8_0}) {
+    for (auto [shape, B] : {std::pair{kSequencePerRow, 65},
+                            {kSequencePerRow, 100},
+                            {kOneSequence, 65},
+                            {kOneSequence, 160},
+                            {kPromptThenSequences, 128}}) {
+      const int prompt_rows = shape == kOneSequence ? B : (shape == kSequencePerRow ? 0 : 64);
+      const int L = shape == kSequencePerRow ? kRun * B : kPrompt + kRun * (B - prompt_rows);
+      const char* names[3] = {"a sequence per row", "one sequence", "a prompt, then sequences"};
+      SCOPED_TRACE(std::string(DTypeName(dt)) + " B=" + std::to_string(B) + " " + names[shape]);
+      std::mt19937 rng(91u + static_cast<uint32_t>(i++));
+      TestHistory h = MakeHistory(dt, kD, kD, kHkv, L, false, rng);
+      std::vector<float> q(static_cast<size_t>(kD) * B * kHq);
+      std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+      for (float& x : q) x = u(rng);
+      // Rows [0, prompt_rows) see the one sequence causally, the others a run of cells of their
+      // own.
+      std::vector<float> mask(static_cast<size_t>(L) * B, -kInf);
+      for (int b = 0; b < B; ++b) {
+        const int own = shape == kSequencePerRow ? kRun * b : kPrompt + kRun * (b - prompt_rows);
+        const int lo = b < prompt_rows ? 0 : own;
+        const int hi = b < prompt_rows ? kPrompt - prompt_rows + 1 + b : own + kRun;
+        for (int j = lo; j < hi; ++j) mask[static_cast<size_t>(b) * L + j] = 0.0f;
+      }
+      const TensorView qv = MakeView(q.data(), DType::kF32, {kD, B, kHq});
+      const TensorView mv = MakeView(mask.data(), DType::kF32, {L, B});
+      for (ThreadPool* pool : {static_cast<ThreadPool*>(nullptr), &pool2}) {
+        const kernels::ParallelForFn pf = KernelParallelFor(pool);
+        std::vector<float> outs[3];
+        const AttentionMode modes[3] = {AttentionMode::kDecode, AttentionMode::kPrefill,
+                                        AttentionMode::kAuto};
+        for (int m = 0; m < 3; ++m) {
+          outs[m].assign(static_cast<size_t>(kD) * B * kHq, 12345.0f);
+          TensorView ov = MakeView(outs[m].data(), DType::kF32, {kD, B, kHq});
+          kernels::AttentionKernelParams kp;
+          kp.scale = 1.0f / std::sqrt(static_cast<float>(kD));
+          kp.mode = modes[m];
+          ASSERT_TRUE(kernels::Attention(qv, h.k, h.v, mv, kp, pf, &ov));
+        }
+        // Row b of head hq is out[(hq * B + b) * kD ..]: compare row by row, each row against the
+        // mode its part should run, where the two modes differ at all for that part.
+        const auto same_rows = [&](const std::vector<float>& a, const std::vector<float>& e, int b0,
+                                   int b1) {
+          for (int hq = 0; hq < kHq; ++hq) {
+            const size_t at = (static_cast<size_t>(hq) * B + b0) * kD;
+            if (std::memcmp(a.data() + at, e.data() + at, sizeof(float) * kD * (b1 - b0)) != 0)
+              return false;
+          }
+          return true;
+        };
+        for (auto [b0, b1, prefill] :
+             {std::tuple{0, prompt_rows, true}, std::tuple{prompt_rows, B, false}}) {
+          if (b0 == b1 || same_rows(outs[0], outs[1], b0, b1)) continue;
+          ++told_apart;
+          EXPECT_TRUE(same_rows(outs[2], prefill ? outs[1] : outs[0], b0, b1))
+              << "kAuto did not run rows " << b0 << "-" << b1 - 1 << " as "
+              << (prefill ? "prefill" : "decode")
+              << (pool != nullptr ? " (2 threads)" : " (1 thread)");
+        }
+      }
+    }
+  }
+  // Every part of every case on every thread count: 6 parts per dtype, 2 dtypes, 2 thread counts.
+  if (TargetNow() != "SCALAR") {
+    EXPECT_EQ(told_apart, 24);
+  }
+}
+
+// Calls beyond kDecodeMaxRows rows against the reference: kDecode's groups and kAuto's choices per
+// group, over batched decode's masks and a causal prompt, every storage type and V layout, 65 and
+// 130 rows, 1 and 2 threads.
+TEST_P(AttentionTest, ManyRowsInGroupsMatchTheReference) {
+  ThreadPool pool2(2);
+  int mi = 0;
+  for (auto [dt, perm] : DTypeLayouts()) {
+    for (MaskKind mask : {MaskKind::kInterleavedBias, MaskKind::kSequenceRuns, MaskKind::kCausal}) {
+      Case c;
+      c.dt = dt;
+      c.perm = perm;
+      c.G = mi % 2 == 0 ? 4 : 1;
+      c.B = mi % 3 == 0 ? 130 : 65;
+      c.L = 300;
+      c.mask = mask;
+      c.mask_dt = mi % 4 < 2 ? DType::kF32 : DType::kF16;
+      c.sinks = mi % 5 == 1;
+      ++mi;
+      CheckCase(c, {{AttentionMode::kAuto, nullptr},
+                    {AttentionMode::kAuto, &pool2},
+                    {AttentionMode::kDecode, nullptr},
+                    {AttentionMode::kDecode, &pool2}});
     }
   }
 }
