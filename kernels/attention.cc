@@ -831,7 +831,9 @@ bool AttentionRows(const TensorView& q, const TensorView& k, const TensorView& v
     // block of every head prefetched as it went (session 8).
     const int64_t target_tasks = 4 * static_cast<int64_t>(threads);
     constexpr int64_t kMinChunk = 512;  // below this, the merge costs more than the split saves
-    constexpr int64_t kMinCellChunk = 4096;  // chunks of all heads: no shorter than this
+    // Chunks of all heads from this many cells per chunk on (their boundaries then follow the
+    // work: where many rows see the cells, chunks are shorter).
+    constexpr int64_t kMinCellChunk = 4096;
     int64_t chunks = 1;
     c.task_heads = c.Hkv;
     if (threads > 1 && c.L >= target_tasks * kMinCellChunk) {
@@ -841,16 +843,20 @@ bool AttentionRows(const TensorView& q, const TensorView& k, const TensorView& v
       chunks = std::max<int64_t>(1, std::min(chunks, (c.L + kMinChunk - 1) / kMinChunk));
       c.task_heads = 1;
     }
-    c.chunk = (c.L + chunks - 1) / chunks;
-    c.chunk = (c.chunk + attn::kBlockCells - 1) / attn::kBlockCells * attn::kBlockCells;
-    if (c.chunk == 0) c.chunk = 1;
-    c.n_chunks = std::max<int64_t>(1, (c.L + c.chunk - 1) / c.chunk);
+    // As many chunks as equal ones of whole blocks give; BalanceDecodeChunks then places their
+    // boundaries by the rows' work, once the spans are known.
+    int64_t chunk = (c.L + chunks - 1) / chunks;
+    chunk = (chunk + attn::kBlockCells - 1) / attn::kBlockCells * attn::kBlockCells;
+    if (chunk == 0) chunk = 1;
+    c.n_chunks = std::max<int64_t>(1, (c.L + chunk - 1) / chunk);
   }
   const size_t partial_floats =
       may_decode ? static_cast<size_t>(c.Hkv * c.n_chunks * c.B * c.G * attn::PartialStride(c)) : 0;
-  // The decode walk (kernels/decode_plan.h): step offsets per chunk, then the steps.
+  // The decode walk (kernels/decode_plan.h): step offsets per chunk, the chunks' boundaries, the
+  // blocks' work that places them, then the steps.
+  const int64_t blocks = (c.L + attn::kBlockCells - 1) / attn::kBlockCells;
   const size_t plan_bytes =
-      may_decode ? static_cast<size_t>(c.n_chunks + 1) * 8 +
+      may_decode ? static_cast<size_t>(2 * (c.n_chunks + 1) + blocks) * 8 +
                        static_cast<size_t>(MaxDecodeSteps(c.B, c.L, params.v_permuted)) *
                            sizeof(DecodeStep)
                  : 0;
@@ -955,7 +961,11 @@ bool AttentionRows(const TensorView& q, const TensorView& k, const TensorView& v
   c.partials = partials;
   if (use_decode) {
     c.step_off = reinterpret_cast<int64_t*>(plan);
-    c.steps = reinterpret_cast<DecodeStep*>(plan + static_cast<size_t>(c.n_chunks + 1) * 8);
+    int64_t* chunk_bounds = c.step_off + c.n_chunks + 1;
+    double* block_work = reinterpret_cast<double*>(chunk_bounds + c.n_chunks + 1);
+    c.steps = reinterpret_cast<DecodeStep*>(block_work + blocks);
+    BalanceDecodeChunks(spans, span_off, c.B, c.L, c.n_chunks, block_work, chunk_bounds);
+    c.chunk_bounds = chunk_bounds;
   }
   if (!use_decode) {
     c.q_tile = q_tile;

@@ -30,7 +30,9 @@
 //     together, their query heads in groups of up to 8 (a shared prompt, or several tokens of
 //     one sequence: one pass over the piece's rows per group instead of per row and group). The
 //     history is split into chunks across threads (flash decoding; KV heads are split too only when
-//     the chunks are too few); each task writes (m, l, acc) partials that one merge pass combines:
+//     the chunks are too few), their boundaries placed by the rows' work (BalanceDecodeChunks,
+//     kernels/decode_plan.h: cells many rows see make shorter chunks); each task writes (m, l,
+//     acc) partials that one merge pass combines:
 //     Hkv * chunks * B * G * (Dv + 2) floats, small next to the history.
 //   prefill (B large): tasks are (KV head, tile of Bt = clamp(128 / G, 1, 64) batch rows); each
 //     tile of 64 cells (128 below AVX-512) is converted to f32 once (K transposed, V as rows)

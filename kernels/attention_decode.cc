@@ -1594,8 +1594,8 @@ HWY_NOINLINE void DecodeStrided(const Ctx& c, int64_t h, int64_t b, int64_t c_fi
 template <DType T, bool kPermV>
 void DecodeHeadChunk(const Ctx& c, int64_t h, int64_t chunk) {
   const DF df;
-  const int64_t lo = chunk * c.chunk;
-  const int64_t hi = std::min(c.L, lo + c.chunk);
+  const int64_t lo = c.chunk_bounds[chunk];
+  const int64_t hi = c.chunk_bounds[chunk + 1];
   const int64_t rs = attn::PartialStride(c);
   float* part = c.partials + (h * c.n_chunks + chunk) * c.B * c.G * rs;
   const float neg_inf = -std::numeric_limits<float>::infinity();
@@ -1775,8 +1775,8 @@ void RunDecodeTyped(const Ctx& c, const ParallelForFn& pf) {
   plan.span_off = c.span_off;
   plan.B = c.B;
   plan.L = c.L;
-  plan.chunk = c.chunk;
   plan.n_chunks = c.n_chunks;
+  plan.chunk_bounds = c.chunk_bounds;
   plan.v_permuted = kPermV;
   plan.combine_rows = c.B > 1 && !c.p.rows_alone && (!UsesPairPatterns<T>(c) || c.G % 4 == 0);
   plan.copy_strided = c.p.copy_strided_spans;

@@ -71,7 +71,8 @@ struct Ctx {
   const int32_t* spans = nullptr;  // pairs [start, end) of visible cells, per row
   const int64_t* span_off =
       nullptr;  // row b's pairs: spans[2 * span_off[b] .. 2 * span_off[b + 1])
-  int64_t n_chunks = 1, chunk = 0;
+  int64_t n_chunks = 1;
+  const int64_t* chunk_bounds = nullptr;  // chunk k: cells [chunk_bounds[k], chunk_bounds[k + 1])
   int64_t task_heads = 1;     // KV heads per task: task t = (heads [t / n_chunks * task_heads, ..),
                               // chunk t % n_chunks)
   float* partials = nullptr;  // [Hkv * n_chunks][B][G][Dvp + kRowPad]: acc, then m, l

@@ -12,6 +12,48 @@ int64_t MaxDecodeSteps(int64_t B, int64_t L, bool v_permuted) {
   return B * per_row;
 }
 
+void BalanceDecodeChunks(const int32_t* spans, const int64_t* span_off, int64_t B, int64_t L,
+                         int64_t n_chunks, double* block_work, int64_t* bounds) {
+  const int64_t blocks = (L + kDecodeBlockCells - 1) / kDecodeBlockCells;
+  bounds[0] = 0;
+  bounds[n_chunks] = L;
+  if (n_chunks == 1) return;
+  // Row cells per block, then each block's cost.
+  std::fill(block_work, block_work + blocks, 0.0);
+  for (int64_t i = span_off[0]; i < span_off[B]; ++i) {
+    const int64_t s0 = spans[2 * i], s1 = spans[2 * i + 1];
+    for (int64_t blk = s0 / kDecodeBlockCells; blk * kDecodeBlockCells < s1; ++blk) {
+      const int64_t b0 = blk * kDecodeBlockCells;
+      block_work[blk] +=
+          static_cast<double>(std::min(s1, b0 + kDecodeBlockCells) - std::max(s0, b0));
+    }
+  }
+  double total = 0;
+  for (int64_t blk = 0; blk < blocks; ++blk) {
+    const double cells =
+        static_cast<double>(std::min(L - blk * kDecodeBlockCells, kDecodeBlockCells));
+    const double row_cells = block_work[blk];
+    block_work[blk] = std::max(row_cells, kDecodeCellBytesCost * std::min(row_cells, cells));
+    total += block_work[blk];
+  }
+  // Chunk k ends after the first block where the running work reaches k / n_chunks of the total,
+  // leaving at least a block for each chunk after it. Nothing visible: equal chunks of blocks.
+  double done = 0;
+  int64_t blk = 0;
+  for (int64_t k = 1; k < n_chunks; ++k) {
+    const int64_t first_allowed = bounds[k - 1] / kDecodeBlockCells + 1;
+    const int64_t last_allowed = blocks - (n_chunks - k);
+    int64_t end = k * blocks / n_chunks;  // in blocks
+    if (total > 0) {
+      const double target = total * static_cast<double>(k) / static_cast<double>(n_chunks);
+      while (blk < blocks && done + block_work[blk] < target) done += block_work[blk++];
+      end = blk + 1;  // the block that reaches the target ends the chunk
+    }
+    end = std::clamp(end, first_allowed, last_allowed);
+    bounds[k] = end * kDecodeBlockCells;
+  }
+}
+
 namespace {
 
 // Whether a visible piece of a block is run with the row's other short pieces of that block
@@ -57,8 +99,8 @@ void BuildDecodePlan(const DecodePlanInput& in, DecodeStep* steps, int64_t* step
   int64_t n = 0;
   for (int64_t k = 0; k < in.n_chunks; ++k) {
     step_off[k] = n;
-    const int64_t lo = k * in.chunk;
-    const int64_t hi = std::min(in.L, lo + in.chunk);
+    const int64_t lo = in.chunk_bounds[k];
+    const int64_t hi = in.chunk_bounds[k + 1];
     for (int64_t blk0 = lo; blk0 < hi; blk0 += kDecodeBlockCells) {
       const int64_t blk1 = std::min(hi, blk0 + kDecodeBlockCells);
       if (in.combine_rows) std::fill(n_joined, n_joined + in.B, 0);

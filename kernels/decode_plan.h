@@ -50,11 +50,35 @@ struct DecodePlanInput {
   const int32_t* spans = nullptr;     // pairs [start, end) of visible cells, ascending, per row
   const int64_t* span_off = nullptr;  // row b's pairs: spans[2 * span_off[b] .. 2 * span_off[b+1])
   int64_t B = 0, L = 0;
-  int64_t chunk = 0, n_chunks = 0;  // chunk k: cells [k * chunk, min(L, (k + 1) * chunk))
-  bool v_permuted = false;          // every piece runs in place (a permuted V row cannot be copied)
-  bool combine_rows = false;        // consecutive rows that see the same piece run it together
-  bool copy_strided = false;        // AttentionKernelParams::copy_strided_spans: no kStrided steps
+  int64_t n_chunks = 0;
+  const int64_t* chunk_bounds = nullptr;  // chunk k: cells [chunk_bounds[k], chunk_bounds[k + 1])
+  bool v_permuted = false;    // every piece runs in place (a permuted V row cannot be copied)
+  bool combine_rows = false;  // consecutive rows that see the same piece run it together
+  bool copy_strided = false;  // AttentionKernelParams::copy_strided_spans: no kStrided steps
 };
+
+// Cost of a cell's K and V bytes, in units of one row's arithmetic over one cell (the work model
+// of BalanceDecodeChunks). Measured on the Xeon (session 30, head_dim 64, 4 query heads per KV
+// head, 8 KV heads, 1 thread): 128 rows over 256 cells each of their own, ~300 ns per (row, cell)
+// in f16 and ~226 in q8_0; 128 rows over 1024 cells they all see, ~110 and ~107 ns (the rows run
+// together: the bytes are read once). Ratios ~2.7 and ~2.1. Only cells seen by one row or a few
+// depend on it: uniform visibility splits by cells whatever it is.
+inline constexpr double kDecodeCellBytesCost = 2.0;
+
+// Boundaries of decode's n_chunks chunks of [0, L): bounds[0] = 0 < bounds[1] < .. <
+// bounds[n_chunks] = L, every one but the last a multiple of kDecodeBlockCells, chosen so that the
+// chunks hold about equal work, where a block of cells costs max(row_cells, kDecodeCellBytesCost *
+// min(row_cells, cells)): row_cells the (row, cell) pairs the rows see in it (their arithmetic;
+// rows that see the same cells run them together, so those cells' bytes are read once), cells its
+// length (its bytes, at most once, when the rows see distinct cells or one row sees them all).
+// Equal chunks of cells leave one thread with a shared prompt that many rows see: batched decode
+// of 128 sequences over a shared 1024-token prompt (256 tokens each of their own) put 84% of a
+// 64-row group's (row, cell) pairs in the first of 8 chunks; on 2 threads these boundaries made
+// such a call 1.09-1.14x faster in f16 and 1.03x in q8_0 (median of paired calls, session 30).
+// block_work: scratch of ceil(L / kDecodeBlockCells) doubles. spans / span_off as in
+// DecodePlanInput. Preconditions: 1 <= n_chunks <= max(1, ceil(L / kDecodeBlockCells)).
+void BalanceDecodeChunks(const int32_t* spans, const int64_t* span_off, int64_t B, int64_t L,
+                         int64_t n_chunks, double* block_work, int64_t* bounds);
 
 // Upper bound on the steps of any plan of this shape, from the shape alone, so that scratch sized
 // by one call of the largest shape serves every later call (no allocation in steady state). Chunks
@@ -68,7 +92,7 @@ int64_t MaxDecodeSteps(int64_t B, int64_t L, bool v_permuted);
 // long pieces in cell order, then its short pieces as one step. With combine_rows, when row b
 // runs a long piece, the rows after it whose next piece in the block is the same (up to 8 pieces
 // per row and block) join it (n_rows) and skip it at their turn. Preconditions: spans as above,
-// chunk a positive multiple of kDecodeBlockCells, B <= kDecodeMaxRows, steps sized by
+// chunk_bounds as BalanceDecodeChunks gives them, B <= kDecodeMaxRows, steps sized by
 // MaxDecodeSteps.
 void BuildDecodePlan(const DecodePlanInput& in, DecodeStep* steps, int64_t* step_off);
 

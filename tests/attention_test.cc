@@ -559,6 +559,19 @@ TEST_P(AttentionTest, LongHistoryThreads) {
     c.sinks = true;
     CheckCase(c, {{AttentionMode::kDecode, &pool2}});
   }
+  // Chunks of cells placed by the rows' work (BalanceDecodeChunks): 16 rows all see the first
+  // third of 33000 cells and 4 rows each cell after it, so on 2 threads the 8 chunks are shorter
+  // over the first third; every chunk's partials must still merge to the reference.
+  for (DType dt : {DType::kF16, DType::kQ8_0}) {
+    Case c;
+    c.dt = dt;
+    c.Hkv = 1;
+    c.G = 4;
+    c.B = 16;
+    c.L = 33000;
+    c.mask = MaskKind::kInterleavedBias;
+    CheckCase(c, {{AttentionMode::kDecode, &pool2}});
+  }
   Case c;
   c.dt = DType::kF16;
   c.B = 40;
@@ -1812,21 +1825,33 @@ PlanSpans SpansOf(int64_t B, int64_t L, const Visible& visible) {
 struct Plan {
   std::vector<kernels::DecodeStep> steps;
   std::vector<int64_t> step_off;
+  std::vector<int64_t> chunk_bounds;  // chunk k: cells [chunk_bounds[k], chunk_bounds[k + 1])
 };
 
+// Chunks of `chunk` cells (the last shorter), or with `balanced` as many placed by
+// BalanceDecodeChunks, as Attention does.
 Plan BuildPlan(const PlanSpans& ps, int64_t B, int64_t L, int64_t chunk, bool v_permuted,
-               bool combine_rows, bool copy_strided) {
+               bool combine_rows, bool copy_strided, bool balanced = false) {
   kernels::DecodePlanInput in;
   in.spans = ps.spans.data();
   in.span_off = ps.span_off.data();
   in.B = B;
   in.L = L;
-  in.chunk = chunk;
   in.n_chunks = std::max<int64_t>(1, (L + chunk - 1) / chunk);
   in.v_permuted = v_permuted;
   in.combine_rows = combine_rows;
   in.copy_strided = copy_strided;
   Plan plan;
+  plan.chunk_bounds.resize(static_cast<size_t>(in.n_chunks + 1));
+  if (balanced) {
+    std::vector<double> work(static_cast<size_t>(L / kernels::kDecodeBlockCells + 1));
+    kernels::BalanceDecodeChunks(in.spans, in.span_off, B, L, in.n_chunks, work.data(),
+                                 plan.chunk_bounds.data());
+  } else {
+    for (int64_t k = 0; k <= in.n_chunks; ++k)
+      plan.chunk_bounds[static_cast<size_t>(k)] = std::min(L, k * chunk);
+  }
+  in.chunk_bounds = plan.chunk_bounds.data();
   plan.steps.resize(static_cast<size_t>(kernels::MaxDecodeSteps(B, L, v_permuted)));
   plan.step_off.resize(static_cast<size_t>(in.n_chunks + 1));
   kernels::BuildDecodePlan(in, plan.steps.data(), plan.step_off.data());
@@ -1846,6 +1871,7 @@ TEST(DecodePlan, RunsEveryVisibleCellOnceInOrder) {
     const int64_t L = 1 + static_cast<int64_t>(rng() % 1500);
     const int64_t chunk = kernels::kDecodeBlockCells * (1 + static_cast<int64_t>(rng() % 5));
     const bool v_permuted = rng() % 4 == 0, combine = rng() % 2 == 0, copy = rng() % 4 == 0;
+    const bool balanced = rng() % 2 == 0;
     const int pattern = static_cast<int>(rng() % 5);
     const int64_t shared = static_cast<int64_t>(rng() % static_cast<uint32_t>(L + 1));
     const int64_t run = 1 + static_cast<int64_t>(rng() % 40);
@@ -1862,19 +1888,20 @@ TEST(DecodePlan, RunsEveryVisibleCellOnceInOrder) {
     }
     const auto visible = [&](int64_t b, int64_t j) { return vis[static_cast<size_t>(b * L + j)]; };
     const PlanSpans ps = SpansOf(B, L, visible);
-    const Plan plan = BuildPlan(ps, B, L, chunk, v_permuted, combine, copy);
-    SCOPED_TRACE(::testing::Message() << "trial " << trial << ": B " << B << " L " << L << " chunk "
-                                      << chunk << " pattern " << pattern << " v_permuted "
-                                      << v_permuted << " combine " << combine << " copy " << copy);
+    const Plan plan = BuildPlan(ps, B, L, chunk, v_permuted, combine, copy, balanced);
+    SCOPED_TRACE(::testing::Message()
+                 << "trial " << trial << ": B " << B << " L " << L << " chunk " << chunk
+                 << " balanced " << balanced << " pattern " << pattern << " v_permuted "
+                 << v_permuted << " combine " << combine << " copy " << copy);
     const int64_t n_chunks = static_cast<int64_t>(plan.step_off.size()) - 1;
     ASSERT_LE(plan.step_off[n_chunks], static_cast<int64_t>(plan.steps.size()));
     std::vector<int> runs(static_cast<size_t>(B * L), 0);
     // Per row, the block of its last step: a row's blocks come in order (inside a block its long
     // pieces come first, then its short ones).
     std::vector<int64_t> last_block(static_cast<size_t>(B), -1);
-    const auto run_cell = [&](int64_t b, int64_t j, int64_t chunk_lo, int64_t block) {
-      ASSERT_GE(j, chunk_lo);
-      ASSERT_LT(j, std::min(L, chunk_lo + chunk));
+    const auto run_cell = [&](int64_t b, int64_t j, int64_t k, int64_t block) {
+      ASSERT_GE(j, plan.chunk_bounds[static_cast<size_t>(k)]);
+      ASSERT_LT(j, plan.chunk_bounds[static_cast<size_t>(k + 1)]);
       ASSERT_EQ(j / kernels::kDecodeBlockCells, block) << "cell " << j << " row " << b;
       ASSERT_TRUE(visible(b, j)) << "cell " << j << " row " << b;
       ASSERT_GE(block, last_block[static_cast<size_t>(b)]) << "row " << b << " out of order";
@@ -1895,8 +1922,7 @@ TEST(DecodePlan, RunsEveryVisibleCellOnceInOrder) {
             ASSERT_EQ(st.n_rows, 1);
           }
           for (int64_t r = st.row; r < st.row + st.n_rows; ++r) {
-            for (int64_t j = st.first; j < st.first + st.count; ++j)
-              run_cell(r, j, k * chunk, block);
+            for (int64_t j = st.first; j < st.first + st.count; ++j) run_cell(r, j, k, block);
           }
           continue;
         }
@@ -1906,7 +1932,7 @@ TEST(DecodePlan, RunsEveryVisibleCellOnceInOrder) {
           ASSERT_FALSE(copy);
           ASSERT_GT(st.step, 1);
           for (int64_t t = 0; t < st.count; ++t) {
-            run_cell(st.row, st.first + t * st.step, k * chunk, block);
+            run_cell(st.row, st.first + t * st.step, k, block);
           }
           continue;
         }
@@ -1926,7 +1952,7 @@ TEST(DecodePlan, RunsEveryVisibleCellOnceInOrder) {
         int32_t found[kernels::kDecodeBlockCells];
         kernels::GatheredCells(ps.spans.data(), ps.span_off.data(), st, found);
         for (int64_t t = 0; t < st.count; ++t) ASSERT_EQ(found[t], cells[t]) << "cell " << t;
-        for (const int64_t j : cells) run_cell(st.row, j, k * chunk, block);
+        for (const int64_t j : cells) run_cell(st.row, j, k, block);
       }
     }
     for (int64_t b = 0; b < B; ++b) {
@@ -1934,6 +1960,75 @@ TEST(DecodePlan, RunsEveryVisibleCellOnceInOrder) {
         ASSERT_EQ(runs[static_cast<size_t>(b * L + j)], visible(b, j) ? 1 : 0)
             << "row " << b << " cell " << j;
       }
+    }
+  }
+}
+
+// BalanceDecodeChunks: boundaries from 0 to L, increasing, on block multiples but the last, and
+// no chunk with more than its share of the work plus one block's, the work of a block being
+// max(row_cells, kDecodeCellBytesCost * min(row_cells, cells)) counted here from the visibility
+// itself. Shapes: random fragments, a shared prompt then a run of cells per row (the case it is
+// for: batched decode of many sequences), everything visible (equal chunks), nothing visible.
+TEST(DecodePlan, ChunksBalanceTheRowsWork) {
+  std::mt19937 rng(23);
+  constexpr int64_t kBlk = kernels::kDecodeBlockCells;
+  for (int trial = 0; trial < 300; ++trial) {
+    const int pattern = trial % 4;
+    const int64_t B = pattern == 1 ? 64 : 1 + static_cast<int64_t>(rng() % 9);
+    const int64_t L = pattern == 1 ? 1024 + 64 * 256 : 1 + static_cast<int64_t>(rng() % 5000);
+    const int64_t blocks = (L + kBlk - 1) / kBlk;
+    const int64_t n_chunks =
+        pattern == 1 ? 8 : 1 + static_cast<int64_t>(rng() % std::min<int64_t>(blocks, 12));
+    const auto visible = [&](int64_t b, int64_t j) {
+      if (pattern == 0) return (j * 7 + b * 13 + trial) % 5 < 2;
+      if (pattern == 1) return j < 1024 || (j - 1024) / 256 == b;
+      return pattern == 2;
+    };
+    SCOPED_TRACE(::testing::Message() << "trial " << trial << ": B " << B << " L " << L
+                                      << " chunks " << n_chunks << " pattern " << pattern);
+    const PlanSpans ps = SpansOf(B, L, visible);
+    std::vector<double> scratch(static_cast<size_t>(blocks));
+    std::vector<int64_t> bounds(static_cast<size_t>(n_chunks + 1), -1);
+    kernels::BalanceDecodeChunks(ps.spans.data(), ps.span_off.data(), B, L, n_chunks,
+                                 scratch.data(), bounds.data());
+    ASSERT_EQ(bounds.front(), 0);
+    ASSERT_EQ(bounds.back(), L);
+    std::vector<double> work(static_cast<size_t>(blocks), 0.0);
+    double total = 0, max_block = 0;
+    for (int64_t blk = 0; blk < blocks; ++blk) {
+      double row_cells = 0;
+      const int64_t cells = std::min(L, (blk + 1) * kBlk) - blk * kBlk;
+      for (int64_t b = 0; b < B; ++b) {
+        for (int64_t j = blk * kBlk; j < blk * kBlk + cells; ++j) row_cells += visible(b, j);
+      }
+      work[static_cast<size_t>(blk)] =
+          std::max(row_cells,
+                   kernels::kDecodeCellBytesCost * std::min(row_cells, static_cast<double>(cells)));
+      total += work[static_cast<size_t>(blk)];
+      max_block = std::max(max_block, work[static_cast<size_t>(blk)]);
+    }
+    for (int64_t k = 0; k < n_chunks; ++k) {
+      const int64_t lo = bounds[static_cast<size_t>(k)], hi = bounds[static_cast<size_t>(k + 1)];
+      ASSERT_LT(lo, hi) << "chunk " << k;
+      ASSERT_EQ(lo % kBlk, 0) << "chunk " << k;
+      if (total == 0) {  // nothing visible: equal chunks of blocks
+        ASSERT_EQ(lo, k * blocks / n_chunks * kBlk) << "chunk " << k;
+        continue;
+      }
+      double w = 0;
+      for (int64_t blk = lo / kBlk; blk * kBlk < hi; ++blk) w += work[static_cast<size_t>(blk)];
+      EXPECT_LE(w, total / static_cast<double>(n_chunks) + max_block + 1e-9) << "chunk " << k;
+    }
+    if (pattern == 2) {  // everything visible: equal chunks, to a block
+      for (int64_t k = 1; k < n_chunks; ++k) {
+        EXPECT_LE(std::abs(bounds[static_cast<size_t>(k)] - k * L / n_chunks), kBlk)
+            << "chunk " << k;
+      }
+    }
+    if (pattern == 1) {
+      // The 1024 cells that all 64 rows see are two thirds of the work (equal chunks would give
+      // them one chunk of 8): the first 5 chunks lie there.
+      EXPECT_EQ(bounds[5], 1024);
     }
   }
 }
