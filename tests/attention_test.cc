@@ -1190,11 +1190,14 @@ TEST_P(AttentionTest, AutoModeGroupsRowsBeyondTheDecodeLimit) {
   enum Shape { kSequencePerRow, kOneSequence, kPromptThenSequences };
   int i = 0, told_apart = 0;
   for (DType dt : {DType::kF16, DType::kQ8_0}) {
-    for (auto [shape, B] : {std::pair{kSequencePerRow, 65},
-                            {kSequencePerRow, 100},
-                            {kOneSequence, 65},
-                            {kOneSequence, 160},
-                            {kPromptThenSequences, 128}}) {
+    for (const auto& shape_rows : {std::pair{kSequencePerRow, 65},
+                                   {kSequencePerRow, 100},
+                                   {kOneSequence, 65},
+                                   {kOneSequence, 160},
+                                   {kPromptThenSequences, 128}}) {
+      // Plain variables, not structured bindings: clang 14 cannot capture those in a lambda.
+      const Shape shape = shape_rows.first;
+      const int B = shape_rows.second;
       const int prompt_rows = shape == kOneSequence ? B : (shape == kSequencePerRow ? 0 : 64);
       const int L = shape == kSequencePerRow ? kRun * B : kPrompt + kRun * (B - prompt_rows);
       const char* names[3] = {"a sequence per row", "one sequence", "a prompt, then sequences"};
