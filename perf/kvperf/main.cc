@@ -472,7 +472,9 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(1, 1 << 20));
   app.add_option("--system", opt.system_prompt, "tokens of the shared system prompt")
       ->check(CLI::Range(0, 1 << 20));
-  app.add_option("--sequences", opt.sequences, "sequences")->check(CLI::Range(1, 64));
+  // Above 64 sequences a decode step's batch runs in groups of rows (kernels/attention.h, Mode).
+  app.add_option("--sequences", opt.sequences, "sequences (at most --batch)")
+      ->check(CLI::Range(1, 1024));
   app.add_option("--steps", opt.decode_steps, "decode steps")->check(CLI::Range(1, 1 << 20));
   app.add_option("--batch", opt.batch, "prefill batch tokens")->check(CLI::Range(1, 1 << 16));
   app.add_option("--checks", opt.check_samples,
@@ -500,6 +502,11 @@ int main(int argc, char** argv) {
       return 2;
     }
     opt.dtypes.push_back(d);
+  }
+  if (opt.sequences > opt.batch) {
+    // A decode step is one batch of every sequence's new token: the cache must take it.
+    std::fprintf(stderr, "kvperf: --sequences %d exceeds --batch %d\n", opt.sequences, opt.batch);
+    return 2;
   }
   if (all) scenarios = {"default", "swa", "chunked", "swa-mem", "encdec", "rotating", "shift"};
   if (scenarios.empty()) scenarios = {"default"};
