@@ -68,7 +68,7 @@
 // conversions), 1.06-1.42x with integer_k. Prefill, 512 x 4096 at head_dim 128, runs at ~0.77 of
 // the FMA peak measured in the same run (0.75 on the AVX2 target of a Zen 3, session 22). The
 // dispatched AVX-512 decode is ~1.4x the same code pinned to AVX2. On the Emerald Rapids Xeon of
-// sessions 23-29 (two 512-bit FMA ports, ~11 GB/s read per core) f16 decode from memory reads
+// sessions 23-30 (two 512-bit FMA ports, ~11 GB/s read per core) f16 decode from memory reads
 // 0.94-1.11 of the read bandwidth on 1 and 2 threads, q8_0 is 1.33-1.86x as fast per call as f16
 // (with QuantVScaling::kWeights; head_dim 64 on 2 threads is the low end), and prefill runs at
 // 0.54-0.72 of the FMA peak. The README's Known gaps has the targets by machine, its Performance

@@ -1085,6 +1085,44 @@ TEST_P(AttentionTest, RowsSeeingTheSameCellsRunTogether) {
   }
 }
 
+// An f32 mask [L, B] in which row b sees the cells [range(b).first, range(b).second) (value 0).
+template <class Range>
+std::vector<float> RowRangeMask(int L, int B, const Range& range) {
+  std::vector<float> mask(static_cast<size_t>(L) * B, -kInf);
+  for (int b = 0; b < B; ++b) {
+    const auto [lo, hi] = range(b);
+    for (int j = lo; j < hi; ++j) mask[static_cast<size_t>(b) * L + j] = 0.0f;
+  }
+  return mask;
+}
+
+// Queries [D, B, Hq], uniform in [-1, 1).
+std::vector<float> RandomQueries(int D, int B, int Hq, std::mt19937& rng) {
+  std::vector<float> q(static_cast<size_t>(D) * B * Hq);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  for (float& x : q) x = u(rng);
+  return q;
+}
+
+// The kernel's output ([Dv = D, B, Hq], scale 1 / sqrt(D)) in kDecode, kPrefill and kAuto, in
+// that order: the tests of kAuto's choice compare its bits with the mode it should have picked.
+std::vector<std::vector<float>> OutputOfEachMode(const TensorView& qv, const TestHistory& h,
+                                                 const TensorView& mv,
+                                                 const kernels::ParallelForFn& pf, int D) {
+  std::vector<std::vector<float>> outs;
+  for (AttentionMode mode :
+       {AttentionMode::kDecode, AttentionMode::kPrefill, AttentionMode::kAuto}) {
+    std::vector<float>& out =
+        outs.emplace_back(static_cast<size_t>(D * qv.ne[1] * qv.ne[2]), 12345.0f);
+    TensorView ov = MakeView(out.data(), DType::kF32, {D, qv.ne[1], qv.ne[2]});
+    kernels::AttentionKernelParams kp;
+    kp.scale = 1.0f / std::sqrt(static_cast<float>(D));
+    kp.mode = mode;
+    EXPECT_TRUE(kernels::Attention(qv, h.k, h.v, mv, kp, pf, &ov));
+  }
+  return outs;
+}
+
 // AttentionMode::kAuto from 8 rows up to the decode plan's limit (kDecodeMaxRows) runs decode when
 // prefill would compute far more (row, cell) pairs than the rows see, as in batched decode of
 // several sequences, and prefill when the rows see nearly the same cells (a prompt chunk or
@@ -1108,30 +1146,15 @@ TEST_P(AttentionTest, AutoModeDecodesSequencesAndPrefillsSharedRows) {
                      (shared ? " one sequence" : " a sequence per row"));
         std::mt19937 rng(77u + static_cast<uint32_t>(i++));
         TestHistory h = MakeHistory(dt, kD, kD, kHkv, L, false, rng);
-        std::vector<float> q(static_cast<size_t>(kD) * B * kHq);
-        std::uniform_real_distribution<float> u(-1.0f, 1.0f);
-        for (float& x : q) x = u(rng);
-        std::vector<float> mask(static_cast<size_t>(L) * B, -kInf);
-        for (int b = 0; b < B; ++b) {
-          const int lo = shared ? 0 : kRun * b;
-          const int hi = shared ? L - B + 1 + b : kRun * (b + 1);
-          for (int j = lo; j < hi; ++j) mask[static_cast<size_t>(b) * L + j] = 0.0f;
-        }
+        std::vector<float> q = RandomQueries(kD, B, kHq, rng);
+        std::vector<float> mask = RowRangeMask(L, B, [&](int b) {
+          return shared ? std::pair{0, L - B + 1 + b} : std::pair{kRun * b, kRun * (b + 1)};
+        });
         const TensorView qv = MakeView(q.data(), DType::kF32, {kD, B, kHq});
         const TensorView mv = MakeView(mask.data(), DType::kF32, {L, B});
         for (ThreadPool* pool : {static_cast<ThreadPool*>(nullptr), &pool2}) {
           const kernels::ParallelForFn pf = KernelParallelFor(pool);
-          std::vector<float> outs[3];
-          const AttentionMode modes[3] = {AttentionMode::kDecode, AttentionMode::kPrefill,
-                                          AttentionMode::kAuto};
-          for (int m = 0; m < 3; ++m) {
-            outs[m].assign(static_cast<size_t>(kD) * B * kHq, 12345.0f);
-            TensorView ov = MakeView(outs[m].data(), DType::kF32, {kD, B, kHq});
-            kernels::AttentionKernelParams kp;
-            kp.scale = 1.0f / std::sqrt(static_cast<float>(kD));
-            kp.mode = modes[m];
-            ASSERT_TRUE(kernels::Attention(qv, h.k, h.v, mv, kp, pf, &ov));
-          }
+          const std::vector<std::vector<float>> outs = OutputOfEachMode(qv, h, mv, pf, kD);
           const size_t bytes = outs[0].size() * sizeof(float);
           // Where the two modes give the same bits (SCALAR's loops can) the case tells nothing.
           if (std::memcmp(outs[0].data(), outs[1].data(), bytes) == 0) continue;
@@ -1152,23 +1175,33 @@ TEST_P(AttentionTest, AutoModeDecodesSequencesAndPrefillsSharedRows) {
 
 // kAuto from 8 rows on against the reference, over batched decode's masks (four sequences with
 // biases and interleaved decode cells; three sequences in runs of 37 cells), where it mostly picks
-// decode: every storage type and V layout, 8, 13 and 64 rows, 1 and 4 query heads per KV head, 1
-// and 2 threads.
+// decode, and a causal prompt: every storage type and V layout, 8, 13, 64, 65 and 130 rows (above
+// 64 in groups, AutoModeGroupsRowsBeyondTheDecodeLimit; kDecode's groups too), 1 and 4 query heads
+// per KV head, 1 and 2 threads.
 TEST_P(AttentionTest, AutoModeManyRowsMatchesTheReference) {
   ThreadPool pool2(2);
+  const int rows[] = {8, 13, static_cast<int>(kernels::kDecodeMaxRows), 65, 130};
   int mi = 0;
   for (auto [dt, perm] : DTypeLayouts()) {
-    for (MaskKind mask : {MaskKind::kInterleavedBias, MaskKind::kSequenceRuns}) {
+    for (MaskKind mask : {MaskKind::kInterleavedBias, MaskKind::kSequenceRuns, MaskKind::kCausal}) {
       Case c;
       c.dt = dt;
       c.perm = perm;
       c.G = mi % 2 == 0 ? 4 : 1;
-      c.B = mi % 3 == 0 ? 8 : (mi % 3 == 1 ? 13 : static_cast<int>(kernels::kDecodeMaxRows));
-      c.L = 420;
+      c.B = rows[mi % 5];
+      c.L = c.B > kernels::kDecodeMaxRows ? 300 : 420;
       c.mask = mask;
       c.mask_dt = mi % 4 < 2 ? DType::kF32 : DType::kF16;
+      c.sinks = mi % 7 == 1;
       ++mi;
-      CheckCase(c, {{AttentionMode::kAuto, nullptr}, {AttentionMode::kAuto, &pool2}});
+      if (c.B > kernels::kDecodeMaxRows) {
+        CheckCase(c, {{AttentionMode::kAuto, nullptr},
+                      {AttentionMode::kAuto, &pool2},
+                      {AttentionMode::kDecode, nullptr},
+                      {AttentionMode::kDecode, &pool2}});
+      } else {
+        CheckCase(c, {{AttentionMode::kAuto, nullptr}, {AttentionMode::kAuto, &pool2}});
+      }
     }
   }
 }
@@ -1204,33 +1237,19 @@ TEST_P(AttentionTest, AutoModeGroupsRowsBeyondTheDecodeLimit) {
       SCOPED_TRACE(std::string(DTypeName(dt)) + " B=" + std::to_string(B) + " " + names[shape]);
       std::mt19937 rng(91u + static_cast<uint32_t>(i++));
       TestHistory h = MakeHistory(dt, kD, kD, kHkv, L, false, rng);
-      std::vector<float> q(static_cast<size_t>(kD) * B * kHq);
-      std::uniform_real_distribution<float> u(-1.0f, 1.0f);
-      for (float& x : q) x = u(rng);
+      std::vector<float> q = RandomQueries(kD, B, kHq, rng);
       // Rows [0, prompt_rows) see the one sequence causally, the others a run of cells of their
       // own.
-      std::vector<float> mask(static_cast<size_t>(L) * B, -kInf);
-      for (int b = 0; b < B; ++b) {
+      std::vector<float> mask = RowRangeMask(L, B, [&](int b) {
         const int own = shape == kSequencePerRow ? kRun * b : kPrompt + kRun * (b - prompt_rows);
-        const int lo = b < prompt_rows ? 0 : own;
-        const int hi = b < prompt_rows ? kPrompt - prompt_rows + 1 + b : own + kRun;
-        for (int j = lo; j < hi; ++j) mask[static_cast<size_t>(b) * L + j] = 0.0f;
-      }
+        return b < prompt_rows ? std::pair{0, kPrompt - prompt_rows + 1 + b}
+                               : std::pair{own, own + kRun};
+      });
       const TensorView qv = MakeView(q.data(), DType::kF32, {kD, B, kHq});
       const TensorView mv = MakeView(mask.data(), DType::kF32, {L, B});
       for (ThreadPool* pool : {static_cast<ThreadPool*>(nullptr), &pool2}) {
         const kernels::ParallelForFn pf = KernelParallelFor(pool);
-        std::vector<float> outs[3];
-        const AttentionMode modes[3] = {AttentionMode::kDecode, AttentionMode::kPrefill,
-                                        AttentionMode::kAuto};
-        for (int m = 0; m < 3; ++m) {
-          outs[m].assign(static_cast<size_t>(kD) * B * kHq, 12345.0f);
-          TensorView ov = MakeView(outs[m].data(), DType::kF32, {kD, B, kHq});
-          kernels::AttentionKernelParams kp;
-          kp.scale = 1.0f / std::sqrt(static_cast<float>(kD));
-          kp.mode = modes[m];
-          ASSERT_TRUE(kernels::Attention(qv, h.k, h.v, mv, kp, pf, &ov));
-        }
+        const std::vector<std::vector<float>> outs = OutputOfEachMode(qv, h, mv, pf, kD);
         // Row b of head hq is out[(hq * B + b) * kD ..]: compare row by row, each row against the
         // mode its part should run, where the two modes differ at all for that part.
         const auto same_rows = [&](const std::vector<float>& a, const std::vector<float>& e, int b0,
@@ -1257,32 +1276,6 @@ TEST_P(AttentionTest, AutoModeGroupsRowsBeyondTheDecodeLimit) {
   // Every part of every case on every thread count: 6 parts per dtype, 2 dtypes, 2 thread counts.
   if (TargetNow() != "SCALAR") {
     EXPECT_EQ(told_apart, 24);
-  }
-}
-
-// Calls beyond kDecodeMaxRows rows against the reference: kDecode's groups and kAuto's choices per
-// group, over batched decode's masks and a causal prompt, every storage type and V layout, 65 and
-// 130 rows, 1 and 2 threads.
-TEST_P(AttentionTest, ManyRowsInGroupsMatchTheReference) {
-  ThreadPool pool2(2);
-  int mi = 0;
-  for (auto [dt, perm] : DTypeLayouts()) {
-    for (MaskKind mask : {MaskKind::kInterleavedBias, MaskKind::kSequenceRuns, MaskKind::kCausal}) {
-      Case c;
-      c.dt = dt;
-      c.perm = perm;
-      c.G = mi % 2 == 0 ? 4 : 1;
-      c.B = mi % 3 == 0 ? 130 : 65;
-      c.L = 300;
-      c.mask = mask;
-      c.mask_dt = mi % 4 < 2 ? DType::kF32 : DType::kF16;
-      c.sinks = mi % 5 == 1;
-      ++mi;
-      CheckCase(c, {{AttentionMode::kAuto, nullptr},
-                    {AttentionMode::kAuto, &pool2},
-                    {AttentionMode::kDecode, nullptr},
-                    {AttentionMode::kDecode, &pool2}});
-    }
   }
 }
 
