@@ -78,7 +78,8 @@
 // finite there (the caches zero-fill their storage).
 //
 // Scratch: each thread that runs tasks keeps one thread_local buffer, grown to the largest shape it
-// has seen; the calling thread also keeps the span lists and decode partials. After the first call
+// has seen; the calling thread also keeps the span lists, the decode partials and, when several
+// chunks of cells walk each KV head, every head's prepared query rows. After the first call
 // with a given shape and thread count no call allocates. The span list and the decode plan are
 // sized for the worst mask, about 5 bytes per row and cell of history (at most 64 rows: larger
 // calls reuse them group by group); a kAuto call of 8 rows or more with a mask reserves them even

@@ -1591,6 +1591,99 @@ HWY_NOINLINE void DecodeStrided(const Ctx& c, int64_t h, int64_t b, int64_t c_fi
   DecodeCellsAllHeads<T, false>(g, h, b, 0, n, qs, rows, kp);
 }
 
+// One KV head's query rows, prepared for the K passes (PrepareHeadQueries): for DotHeadsPairs8
+// first the query patterns, [B][G / 4][D * 16]; then the group's query rows, pre-scaled and
+// zero-padded: [B][G][Dp]; for the 16-bit integer K pass also as int16, [B][G][2 * D], and as
+// bytes, [B][G][qb_row]; for the 24-bit one as bytes, [B][G][qb24_row]; then the integer rows'
+// steps [B][G]. Offsets in floats from the block's start, which is 64-byte aligned.
+struct HeadQueryLayout {
+  bool integer_k = false, integer_k24 = false, pairs = false;
+  int64_t qb_row = 0, qb24_row = 0;  // bytes per head of the integer passes' rows
+  int64_t pattern_floats = 0;        // per group of 4 heads
+  size_t qs = 0, qi = 0, steps = 0;  // offsets of the f32 rows, the integer rows, the steps
+  size_t floats = 0;                 // the whole block, a multiple of 16
+};
+
+template <DType T>
+HeadQueryLayout HeadQueries(const Ctx& c) {
+  HeadQueryLayout q;
+#if HWY_TARGET == HWY_AVX3_DL
+  q.integer_k = T == DType::kQ8_0 && c.p.integer_k;
+  q.integer_k24 = T == DType::kQ8_0 && !c.p.integer_k && !c.p.float_k;
+#endif
+  q.pairs = UsesPairPatterns<T>(c);
+  q.qb_row = kQBytesPerBlock * (c.D / 32);
+  q.qb24_row = kQBytesPerBlock24 * (c.D / 32);
+  // Each pattern is a multiple of 16 floats: the patterns and the rows after them stay 64-byte
+  // aligned.
+  q.pattern_floats = c.D * kPairPatternFloatsPerDim;
+  const size_t rows = static_cast<size_t>(c.B * c.G);
+  q.qs = q.pairs ? static_cast<size_t>(c.B * (c.G / 4) * q.pattern_floats) : 0;
+  q.qi = q.qs + rows * static_cast<size_t>(c.Dp);
+  const size_t qi_floats = q.integer_k
+                               ? rows * static_cast<size_t>(c.D + q.qb_row / 4)
+                               : (q.integer_k24 ? rows * static_cast<size_t>(q.qb24_row / 4) : 0);
+  q.steps = q.qi + qi_floats;
+  const size_t step_floats = q.integer_k || q.integer_k24 ? rows : 0;
+  q.floats = (q.steps + step_floats + 15) / 16 * 16;
+  return q;
+}
+
+// KV head h's query rows of every batch row, as HeadQueries(c) lays them out in `block`.
+template <DType T>
+void PrepareHeadQueries(const Ctx& c, int64_t h, float* block) {
+  const DF df;
+  const HeadQueryLayout lay = HeadQueries<T>(c);
+  float* qs = block + lay.qs;
+  const VF vscale = hn::Set(df, c.p.scale);
+  for (int64_t b = 0; b < c.B; ++b) {
+    for (int64_t g = 0; g < c.G; ++g) {
+      const float* src = static_cast<const float*>(RowPtr(c.q, b, h * c.G + g));
+      float* dst = qs + (b * c.G + g) * c.Dp;
+      int64_t i = 0;
+      for (; i + static_cast<int64_t>(kN) <= c.D; i += kN) {
+        hn::Store(hn::Mul(hn::LoadU(df, src + i), vscale), df, dst + i);
+      }
+      for (; i < c.Dp; ++i) dst[i] = i < c.D ? src[i] * c.p.scale : 0.0f;
+#if HWY_TARGET == HWY_AVX3_DL
+      const int64_t r = b * c.G + g;
+      float* steps = block + lay.steps;
+      if (lay.integer_k) {
+        int16_t* qi = reinterpret_cast<int16_t*>(block + lay.qi);
+        int8_t* bytes = reinterpret_cast<int8_t*>(qi + c.B * c.G * 2 * c.D);
+        steps[r] = QuantizeQueryRow(dst, c.D, qi + r * 2 * c.D, bytes + r * lay.qb_row);
+      } else if (lay.integer_k24) {
+        int8_t* bytes24 = reinterpret_cast<int8_t*>(block + lay.qi);
+        steps[r] = QuantizeQueryRow24(dst, c.D, bytes24 + r * lay.qb24_row);
+      }
+#endif
+    }
+#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
+    for (int64_t g4 = 0; lay.pairs && g4 < c.G / 4; ++g4) {
+      PairPattern(qs + (b * c.G + 4 * g4) * c.Dp, c.Dp, c.D,
+                  block + (b * (c.G / 4) + g4) * lay.pattern_floats);
+    }
+#endif
+  }
+}
+
+// Batch row b's query rows in a block that PrepareHeadQueries filled.
+inline QRows HeadQueryRows(const Ctx& c, const HeadQueryLayout& lay, const float* block,
+                           int64_t b) {
+  QRows r;
+  r.f = block + lay.qs + b * c.G * c.Dp;
+  if (lay.integer_k) {
+    const int16_t* qi = reinterpret_cast<const int16_t*>(block + lay.qi);
+    r.i = qi + b * c.G * 2 * c.D;
+    r.bytes = reinterpret_cast<const int8_t*>(qi + c.B * c.G * 2 * c.D) + b * c.G * lay.qb_row;
+  } else if (lay.integer_k24) {
+    r.bytes24 = reinterpret_cast<const int8_t*>(block + lay.qi) + b * c.G * lay.qb24_row;
+  }
+  if (lay.integer_k || lay.integer_k24) r.step = block + lay.steps + b * c.G;
+  if (lay.pairs) r.pairs = block + b * (c.G / 4) * lay.pattern_floats;
+  return r;
+}
+
 template <DType T, bool kPermV>
 void DecodeHeadChunk(const Ctx& c, int64_t h, int64_t chunk) {
   const DF df;
@@ -1605,75 +1698,17 @@ void DecodeHeadChunk(const Ctx& c, int64_t h, int64_t chunk) {
     row[c.Dvp] = neg_inf;
     row[c.Dvp + 1] = 0.0f;
   }
-  // Scratch: for DotHeadsPairs8 first the query patterns, [B][G / 4][D * 16]; then the group's
-  // query rows, pre-scaled and zero-padded: [B][G][Dp]; for the 16-bit integer K pass
-  // also as int16, [B][G][2 * D], and as bytes, [B][G][qb_row]; for the 24-bit one as bytes,
-  // [B][G][qb24_row]; then the integer rows' steps [B][G].
-  bool integer_k = false, integer_k24 = false;
-#if HWY_TARGET == HWY_AVX3_DL
-  integer_k = T == DType::kQ8_0 && c.p.integer_k;
-  integer_k24 = T == DType::kQ8_0 && !c.p.integer_k && !c.p.float_k;
-#endif
-  const size_t qf_floats = static_cast<size_t>(c.B * c.G * c.Dp);
-  const int64_t qb_row = kQBytesPerBlock * (c.D / 32);      // bytes per head
-  const int64_t qb24_row = kQBytesPerBlock24 * (c.D / 32);  // bytes per head
-  const size_t qi_floats =
-      integer_k ? static_cast<size_t>(c.B * c.G * (c.D + qb_row / 4))
-                : (integer_k24 ? static_cast<size_t>(c.B * c.G * (qb24_row / 4)) : 0);
-  const bool any_int = integer_k || integer_k24;
-  const bool pairs = UsesPairPatterns<T>(c);
-  // Each pattern is a multiple of 16 floats: the patterns and the rows after them stay 64-byte
-  // aligned (ThreadScratch is).
-  const int64_t pattern_floats = c.D * kPairPatternFloatsPerDim;  // per group of 4 heads
-  const size_t pair_floats = pairs ? static_cast<size_t>(c.B * (c.G / 4) * pattern_floats) : 0;
-  const size_t step_floats = any_int ? static_cast<size_t>(c.B * c.G) : 0;
-  float* scratch = attn::ThreadScratch(pair_floats + qf_floats + qi_floats + step_floats, 1);
-  if (scratch == nullptr) return attn::ScratchFailed(c);
-  float* qpairs = pairs ? scratch : nullptr;
-  float* qs = scratch + pair_floats;
-  int16_t* qi = integer_k ? reinterpret_cast<int16_t*>(qs + qf_floats) : nullptr;
-  int8_t* qbytes = integer_k ? reinterpret_cast<int8_t*>(qi + c.B * c.G * 2 * c.D) : nullptr;
-  int8_t* qbytes24 = integer_k24 ? reinterpret_cast<int8_t*>(qs + qf_floats) : nullptr;
-  float* qstep = qs + qf_floats + qi_floats;
-  const VF vscale = hn::Set(df, c.p.scale);
-  for (int64_t b = 0; b < c.B; ++b) {
-    for (int64_t g = 0; g < c.G; ++g) {
-      const float* src = static_cast<const float*>(RowPtr(c.q, b, h * c.G + g));
-      float* dst = qs + (b * c.G + g) * c.Dp;
-      int64_t i = 0;
-      for (; i + static_cast<int64_t>(kN) <= c.D; i += kN) {
-        hn::Store(hn::Mul(hn::LoadU(df, src + i), vscale), df, dst + i);
-      }
-      for (; i < c.Dp; ++i) dst[i] = i < c.D ? src[i] * c.p.scale : 0.0f;
-#if HWY_TARGET == HWY_AVX3_DL
-      if (integer_k) {
-        qstep[b * c.G + g] = QuantizeQueryRow(dst, c.D, qi + (b * c.G + g) * 2 * c.D,
-                                              qbytes + (b * c.G + g) * qb_row);
-      } else if (integer_k24) {
-        qstep[b * c.G + g] = QuantizeQueryRow24(dst, c.D, qbytes24 + (b * c.G + g) * qb24_row);
-      }
-#endif
-    }
-#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
-    for (int64_t g4 = 0; pairs && g4 < c.G / 4; ++g4) {
-      PairPattern(qs + (b * c.G + 4 * g4) * c.Dp, c.Dp, c.D,
-                  qpairs + (b * (c.G / 4) + g4) * pattern_floats);
-    }
-#endif
+  // The head's query rows: prepared once per call by RunDecodeTyped when several chunks share the
+  // head, else here.
+  const HeadQueryLayout lay = HeadQueries<T>(c);
+  const float* queries = c.head_queries != nullptr ? c.head_queries + h * lay.floats : nullptr;
+  if (queries == nullptr) {
+    float* block = attn::ThreadScratch(lay.floats, 1);
+    if (block == nullptr) return attn::ScratchFailed(c);
+    PrepareHeadQueries<T>(c, h, block);
+    queries = block;
   }
-  const auto q_row = [&](int64_t b) {
-    QRows r;
-    r.f = qs + b * c.G * c.Dp;
-    if (integer_k) {
-      r.i = qi + b * c.G * 2 * c.D;
-      r.bytes = qbytes + b * c.G * qb_row;
-    } else if (integer_k24) {
-      r.bytes24 = qbytes24 + b * c.G * qb24_row;
-    }
-    if (any_int) r.step = qstep + b * c.G;
-    if (qpairs != nullptr) r.pairs = qpairs + b * (c.G / 4) * pattern_floats;
-    return r;
-  };
+  const auto q_row = [&](int64_t b) { return HeadQueryRows(c, lay, queries, b); };
   // The chunk's steps, found once per call (BuildDecodePlan in RunDecodeTyped). Replayed per head
   // they are what walking the rows' spans here found until session 25, step for step (the same
   // results bit for bit); walking them 8 times over cost ~4% of kvperf's batched decode.
@@ -1713,12 +1748,13 @@ void DecodeTask(const Ctx& c, int64_t task) {
   }
 }
 
-// Combines the chunks' partials of every (b, query head), adds the sink, divides, writes out.
-void DecodeMerge(const Ctx& c) {
+// Combines the chunks' partials of every (b, query head) of query heads [hq0, hq1), adds the sink,
+// divides, writes out.
+void DecodeMerge(const Ctx& c, int64_t hq0, int64_t hq1) {
   const DF df;
   const int64_t rs = attn::PartialStride(c);
   const float neg_inf = -std::numeric_limits<float>::infinity();
-  for (int64_t hq = 0; hq < c.Hq; ++hq) {
+  for (int64_t hq = hq0; hq < hq1; ++hq) {
     const int64_t h = hq / c.G;
     const int64_t g = hq % c.G;
     for (int64_t b = 0; b < c.B; ++b) {
@@ -1781,10 +1817,34 @@ void RunDecodeTyped(const Ctx& c, const ParallelForFn& pf) {
   plan.combine_rows = c.B > 1 && !c.p.rows_alone && (!UsesPairPatterns<T>(c) || c.G % 4 == 0);
   plan.copy_strided = c.p.copy_strided_spans;
   BuildDecodePlan(plan, c.steps, c.step_off);
+  // Several chunks per head (long histories, or few KV heads, on more than one thread): each head's
+  // query rows are prepared once here, not once per chunk. Prepared per chunk, they took ~17% of
+  // the kernel's time in q8_0 decode of 64-row groups over 33920 cells on 2 threads (8 chunks of
+  // every head; the 24-bit rounding of each row), and the second thread sped that decode up 1.3x
+  // where f16 gained 1.5x; prepared once, 1.6x (bench_attention's BM_DecodeManyRowsThreads,
+  // perf/HISTORY.md, session 31). The rows are prepared on the threads, a head per task, when there
+  // are enough of them to pay for the extra fork and join (2048 rows: ~0.5 ms on one thread).
+  Ctx dc = c;
+  if (c.n_chunks > 1) {
+    const size_t head_floats = HeadQueries<T>(c).floats;
+    dc.head_queries = attn::ThreadScratch(static_cast<size_t>(c.Hkv) * head_floats, 1);
+    if (dc.head_queries == nullptr) return attn::ScratchFailed(c);
+    constexpr int64_t kMinRowsToSplit = 256;
+    if (c.B * c.Hq >= kMinRowsToSplit) {
+      attn::RunTasks(dc, c.Hkv, pf, [](void* ctx, int64_t h) {
+        const Ctx& x = *static_cast<const Ctx*>(ctx);
+        PrepareHeadQueries<T>(x, h, x.head_queries + h * HeadQueries<T>(x).floats);
+      });
+    } else {
+      for (int64_t h = 0; h < c.Hkv; ++h) {
+        PrepareHeadQueries<T>(dc, h, dc.head_queries + h * head_floats);
+      }
+    }
+  }
   attn::RunTasks(
-      c, (c.Hkv + c.task_heads - 1) / c.task_heads * c.n_chunks, pf,
+      dc, (c.Hkv + c.task_heads - 1) / c.task_heads * c.n_chunks, pf,
       [](void* ctx, int64_t i) { DecodeTask<T, kPermV>(*static_cast<const Ctx*>(ctx), i); });
-  if (!c.scratch_failed->load(std::memory_order_relaxed)) DecodeMerge(c);
+  if (!c.scratch_failed->load(std::memory_order_relaxed)) DecodeMerge(c, 0, c.Hq);
 }
 
 void DecodeImpl(const Ctx& c, const ParallelForFn& pf) {

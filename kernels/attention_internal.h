@@ -80,6 +80,10 @@ struct Ctx {
   // steps[step_off[k] .. step_off[k + 1]). Attention sizes them; RunDecode writes them.
   DecodeStep* steps = nullptr;  // [MaxDecodeSteps(B, L, v_permuted)]
   int64_t* step_off = nullptr;  // [n_chunks + 1]
+  // Every KV head's query rows as the K passes read them, [Hkv][one head's block]
+  // (attention_decode.cc, HeadQueryLayout), when several chunks walk each head: prepared once per
+  // call before the tasks run. Null: each task prepares its head's rows itself.
+  float* head_queries = nullptr;
   // prefill
   const int32_t* row_lo = nullptr;  // first visible cell of row b (L when none)
   const int32_t* row_hi = nullptr;  // last visible cell + 1 (0 when none)
@@ -234,7 +238,10 @@ struct RowCursor {
   }
 };
 
-// One 64-byte-aligned float buffer per thread (three: `which`) that only grows (GrowBuffer), from
+// One 64-byte-aligned float buffer per thread and `which` that only grows (GrowBuffer): 0, a call's
+// own scratch on the calling thread (spans, decode plan, partials); 1, query rows (a prefill
+// task's; a decode task's head, or on the calling thread every head's when the call prepares them
+// once, Ctx::head_queries); 2, DecodeGathered's copies of short pieces. Each starts at
 // 256 KiB: the visible-span table needs B * (L / 2 + 1) entries, so growing to the exact size
 // reallocated on every other decode step as the history lengthened. With the floor a single
 // decoding sequence never reallocates below ~128K cells, and beyond that it reallocates O(log L)

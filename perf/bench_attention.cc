@@ -510,20 +510,21 @@ struct CacheFiller {
 
 // Times decode over f's cache for a batch of `rows` random query rows (32 query heads), the
 // kernel's parameters set two ways (set(kp, 0), set(kp, 1)) and calls alternating, one pair per
-// benchmark iteration after a warm-up call each. Reports each way's best call and how much faster
-// way 0 is, from the best calls and from the means: <names[0]>_us, <names[1]>_us,
-// <names[0]>_vs_<names[1]>, mean_<names[0]>_vs_<names[1]>. Returns the history's cells.
+// benchmark iteration after a warm-up call each. Way 0 runs on `threads` threads, way 1 on
+// `threads1` (0: the same). Reports each way's best call and how much faster way 0 is, from the
+// best calls and from the means: <names[0]>_us, <names[1]>_us, <names[0]>_vs_<names[1]>,
+// mean_<names[0]>_vs_<names[1]>. Returns the history's cells.
 template <class SetParams>
 int64_t CompareTwoWays(benchmark::State& state, CacheFiller& f, int rows, int threads,
-                       const char* const (&names)[2], const SetParams& set) {
+                       const char* const (&names)[2], const SetParams& set, int threads1 = 0) {
   constexpr int kD = CacheFiller::kD, kHq = 32;
   const kv::History h = f.cache->Get();
   std::vector<float> q(static_cast<size_t>(kD) * rows * kHq), out(q.size());
   for (float& x : q) x = f.u(f.rng);
   const kv::TensorView qv = kv::MakeView(q.data(), kv::DType::kF32, {kD, rows, kHq});
   kv::TensorView ov = kv::MakeView(out.data(), kv::DType::kF32, {kD, rows, kHq});
-  kv::ThreadPool pool(threads);
-  const kv::kernels::ParallelForFn pf = KernelParallelFor(pool);
+  kv::ThreadPool pool0(threads), pool1(threads1 > 0 ? threads1 : threads);
+  const kv::kernels::ParallelForFn pf[2] = {KernelParallelFor(pool0), KernelParallelFor(pool1)};
   kv::kernels::AttentionKernelParams kp[2];
   for (int c = 0; c < 2; ++c) {
     kp[c].scale = 1.0f / std::sqrt(static_cast<float>(kD));
@@ -531,7 +532,7 @@ int64_t CompareTwoWays(benchmark::State& state, CacheFiller& f, int rows, int th
   }
   const auto call = [&](int c) {
     const auto t0 = Clock::now();
-    if (!kv::kernels::Attention(qv, h.k, h.v, h.mask, kp[c], pf, &ov)) {
+    if (!kv::kernels::Attention(qv, h.k, h.v, h.mask, kp[c], pf[c], &ov)) {
       std::fprintf(stderr, "bench_attention: out of memory in Attention's scratch\n");
       std::abort();
     }
@@ -640,6 +641,28 @@ void BM_DecodeSharedCells(benchmark::State& state) {
                  " L " + std::to_string(L));
 }
 
+// Fills f's cache with shape `shape` of BM_DecodeAutoManyRows (below) and puts the batch its calls
+// serve; *rows: the batch's rows, *label: the shape in words.
+bool FillManyRowsShape(CacheFiller& f, kv::DType dtype, int shape, int* rows, std::string* label) {
+  const bool one_sequence = shape == 2 || shape == 4;
+  const int seqs = shape == 0 ? 8 : (shape == 1 ? 16 : (shape == 3 ? 128 : 1));
+  *rows = shape == 2 ? 16 : (shape == 4 ? 512 : seqs);
+  const int system = one_sequence ? 0 : 1024;
+  const int own = one_sequence ? 4096 : (shape == 3 ? 256 : 1024);
+  bool ok = f.cache->Init(dtype, seqs, system + own + *rows, 512).ok();
+  ok = ok && (system == 0 || f.Prompt(0, 0, system));
+  for (int s = 1; ok && s < seqs; ++s) ok = f.cache->CopyPrefix(0, s, system).ok();
+  for (int s = 0; ok && s < seqs; ++s) ok = f.Prompt(s, system, own);
+  for (int r = 0; r < *rows; ++r) {  // the batch the calls serve
+    f.pos[r] = system + own + (one_sequence ? r : 0);
+    f.seq[r] = one_sequence ? 0 : r;
+  }
+  *label = std::string(dtype == kv::DType::kF16 ? "f16 " : "q8_0 ") +
+           (one_sequence ? "one sequence, " + std::to_string(*rows) + " tokens"
+                         : std::to_string(seqs) + " sequences");
+  return ok && f.Put(*rows);
+}
+
 // 8 rows and more under AttentionMode::kAuto: decode or prefill, whichever computes fewer (row,
 // cell) pairs (since session 29; above 64 rows per group of rows since session 30), against
 // prefill, which kAuto ran from 8 rows on before (above 64 rows, until session 30). Shapes (arg
@@ -654,23 +677,10 @@ void BM_DecodeSharedCells(benchmark::State& state) {
 void BM_DecodeAutoManyRows(benchmark::State& state) {
   const kv::DType dtype = state.range(0) != 0 ? kv::DType::kQ8_0 : kv::DType::kF16;
   const int threads = static_cast<int>(state.range(1));
-  const int shape = static_cast<int>(state.range(2));
-  const bool one_sequence = shape == 2 || shape == 4;
-  const int seqs = shape == 0 ? 8 : (shape == 1 ? 16 : (shape == 3 ? 128 : 1));
-  const int rows = shape == 2 ? 16 : (shape == 4 ? 512 : seqs);
-  const int system = one_sequence ? 0 : 1024;
-  const int own = one_sequence ? 4096 : (shape == 3 ? 256 : 1024);
   CacheFiller f(13);
-  bool ok = f.cache->Init(dtype, seqs, system + own + rows, 512).ok();
-  ok = ok && (system == 0 || f.Prompt(0, 0, system));
-  for (int s = 1; ok && s < seqs; ++s) ok = f.cache->CopyPrefix(0, s, system).ok();
-  for (int s = 0; ok && s < seqs; ++s) ok = f.Prompt(s, system, own);
-  for (int r = 0; r < rows; ++r) {  // the batch the calls serve
-    f.pos[r] = system + own + (one_sequence ? r : 0);
-    f.seq[r] = one_sequence ? 0 : r;
-  }
-  ok = ok && f.Put(rows);
-  if (!ok) {
+  int rows = 0;
+  std::string label;
+  if (!FillManyRowsShape(f, dtype, static_cast<int>(state.range(2)), &rows, &label)) {
     state.SkipWithError("building the cache failed");
     return;
   }
@@ -679,10 +689,28 @@ void BM_DecodeAutoManyRows(benchmark::State& state) {
       state, f, rows, threads, names, [](kv::kernels::AttentionKernelParams& kp, int c) {
         kp.mode = c == 0 ? kv::kernels::AttentionMode::kAuto : kv::kernels::AttentionMode::kPrefill;
       });
-  state.SetLabel(std::string(dtype == kv::DType::kF16 ? "f16 " : "q8_0 ") +
-                 (one_sequence ? "one sequence, " + std::to_string(rows) + " tokens"
-                               : std::to_string(seqs) + " sequences") +
-                 " L " + std::to_string(L));
+  state.SetLabel(label + " L " + std::to_string(L));
+}
+
+// The same kAuto calls on 2 threads and on 1, alternating, over BM_DecodeAutoManyRows' shapes
+// (arg 1). two_vs_one is the speedup of the second thread (best calls, and means). Until session
+// 31 decode on 2 threads over 32768+ cells (shape 3, batched decode of 128 sequences: 33920 cells,
+// cut into 8 chunks of every KV head) prepared each head's query rows once per chunk, and q8_0's
+// two_vs_one was 1.30-1.32 where f16's was 1.45-1.55; prepared once per call, 1.58-1.61 (f16
+// 1.49-1.61; Xeon, two runs each). Args: q8 (0: f16, 1: q8_0), shape.
+void BM_DecodeManyRowsThreads(benchmark::State& state) {
+  const kv::DType dtype = state.range(0) != 0 ? kv::DType::kQ8_0 : kv::DType::kF16;
+  CacheFiller f(13);
+  int rows = 0;
+  std::string label;
+  if (!FillManyRowsShape(f, dtype, static_cast<int>(state.range(1)), &rows, &label)) {
+    state.SkipWithError("building the cache failed");
+    return;
+  }
+  const char* const names[2] = {"two", "one"};
+  const int64_t L = CompareTwoWays(
+      state, f, rows, 2, names, [](kv::kernels::AttentionKernelParams&, int) {}, 1);
+  state.SetLabel(label + " L " + std::to_string(L));
 }
 
 // Args: threads, head_dim (128: the shape; 64: kvperf's default model).
@@ -824,6 +852,11 @@ BENCHMARK(BM_DecodeSharedCells)
     ->UseRealTime();
 BENCHMARK(BM_DecodeAutoManyRows)
     ->ArgsProduct({{0, 1}, {1, 2}, {0, 1, 2, 3, 4}})
+    ->Unit(benchmark::kMicrosecond)
+    ->MinTime(1.0)
+    ->UseRealTime();
+BENCHMARK(BM_DecodeManyRowsThreads)
+    ->ArgsProduct({{0, 1}, {3}})
     ->Unit(benchmark::kMicrosecond)
     ->MinTime(1.0)
     ->UseRealTime();
