@@ -671,15 +671,15 @@ int64_t ScanRow(const TensorView& mask, int64_t b, int64_t L, uint64_t* row_bits
   return n;
 }
 
-// A prefill call's scan of its mask rows: each row's box [row_lo, row_hi) and its two granule
-// bitmaps (kGranuleCells cells per bit, granule_words words per row, zeroed by the caller): the
-// granules with a visible cell (rows [0, B) of `granules`), and the granules whose cells are all
-// visible with a mask value of +-0 (rows [B, 2B): a tile inside them is only scanned, the mask
-// not read). Task t scans rows [t * rows_per_task, ..) with its own 2 * MaskRowBitWords(L) words of
-// row_bits. With `spans` it records each row's visible spans too: row b's at spans + 2 * b *
-// span_row_cap and their count in span_count[b]; PackSpans then lays them out as decode's scan
-// does.
-struct PrefillScan {
+// A call's scan of its mask rows, split over tasks: each row's box [row_lo, row_hi) and, for
+// prefill (granule_words > 0), its two granule bitmaps (kGranuleCells cells per bit, granule_words
+// words per row, zeroed by the caller): the granules with a visible cell (rows [0, B) of
+// `granules`), and the granules whose cells are all visible with a mask value of +-0 (rows [B, 2B):
+// a tile inside them is only scanned, the mask not read). Task t scans rows [t * rows_per_task, ..)
+// with its own 2 * MaskRowBitWords(L) words of row_bits. With `spans` (decode, or kAuto's choice)
+// it records each row's visible spans: row b's at spans + 2 * b * span_row_cap and their count in
+// span_count[b]; PackSpans then lays them out as the one-thread scan does.
+struct MaskScan {
   const TensorView* mask;
   int64_t L, rows_per_task, B;
   uint64_t* granules;
@@ -692,14 +692,16 @@ struct PrefillScan {
   int64_t* span_count = nullptr;
 };
 
-void ScanPrefillTask(void* ctx, int64_t task) {
-  const PrefillScan& s = *static_cast<const PrefillScan*>(ctx);
+void ScanMaskTask(void* ctx, int64_t task) {
+  const MaskScan& s = *static_cast<const MaskScan*>(ctx);
   uint64_t* row_bits = s.row_bits + task * 2 * attn::MaskRowBitWords(s.L);
   const int64_t b1 = std::min(s.B, (task + 1) * s.rows_per_task);
   for (int64_t b = task * s.rows_per_task; b < b1; ++b) {
     RowScanOut out;
-    out.granules = s.granules + b * s.granule_words;
-    out.plain = s.granules + (s.B + b) * s.granule_words;
+    if (s.granule_words > 0) {  // not for a decode call
+      out.granules = s.granules + b * s.granule_words;
+      out.plain = s.granules + (s.B + b) * s.granule_words;
+    }
     if (s.spans != nullptr) out.spans = s.spans + 2 * b * s.span_row_cap;
     const int64_t n = ScanRow(*s.mask, b, s.L, row_bits, out, s.row_lo[b], s.row_hi[b]);
     if (s.spans != nullptr) s.span_count[b] = n;
@@ -868,12 +870,13 @@ bool AttentionRows(const TensorView& q, const TensorView& k, const TensorView& v
                         : (c.L + 64 * attn::kGranuleCells - 1) / (64 * attn::kGranuleCells);
   const size_t granule_bytes = 2 * static_cast<size_t>(c.B * c.granule_words) * 8;  // both maps
   // One mask row's bitmaps at a time per scanning task (MaskRowBitsImpl): hidden cells, then
-  // nonzero values. A prefill call's rows are scanned on every thread (a masked 512 x 4096 call
-  // reads 8 MiB of mask before its tasks start), at least kMinScanRows rows per task.
+  // nonzero values. The rows are scanned on every thread, at least kMinScanRows rows per task: a
+  // masked 512 x 4096 prefill call reads 8 MiB of mask before its tasks start, a decode call of 64
+  // rows over 33792 cells 8.6 MiB (~6% of a 2-thread call of 128 rows when it ran on the calling
+  // thread alone, session 30's profile).
   constexpr int64_t kMinScanRows = 16;
-  const int64_t scan_tasks = !use_decode && mask.data != nullptr && threads > 1
-                                 ? std::clamp<int64_t>(c.B / kMinScanRows, 1, threads)
-                                 : 1;
+  const int64_t scan_tasks =
+      mask.data != nullptr && threads > 1 ? std::clamp<int64_t>(c.B / kMinScanRows, 1, threads) : 1;
   const size_t row_bits_bytes =
       mask.data == nullptr ? 0
                            : static_cast<size_t>(scan_tasks * 2 * attn::MaskRowBitWords(c.L)) * 8;
@@ -912,7 +915,7 @@ bool AttentionRows(const TensorView& q, const TensorView& k, const TensorView& v
       row_lo[b] = any ? 0 : static_cast<int32_t>(c.L);
       row_hi[b] = any ? static_cast<int32_t>(c.L) : 0;
     }
-  } else if (use_decode) {
+  } else if (use_decode && scan_tasks == 1) {
     for (int64_t b = 0; b < c.B; ++b) {
       RowScanOut row_out;
       row_out.spans = spans + 2 * span_off[b];
@@ -920,27 +923,27 @@ bool AttentionRows(const TensorView& q, const TensorView& k, const TensorView& v
           span_off[b] + ScanRow(mask, b, c.L, row_bits, row_out, row_lo[b], row_hi[b]);
     }
   } else {
-    PrefillScan scan{.mask = &mask,
-                     .L = c.L,
-                     .rows_per_task = (c.B + scan_tasks - 1) / scan_tasks,
-                     .B = c.B,
-                     .granules = granules,
-                     .granule_words = c.granule_words,
-                     .row_bits = row_bits,
-                     .row_lo = row_lo,
-                     .row_hi = row_hi};
-    if (choose_after_scan) {
+    MaskScan scan{.mask = &mask,
+                  .L = c.L,
+                  .rows_per_task = (c.B + scan_tasks - 1) / scan_tasks,
+                  .B = c.B,
+                  .granules = granules,
+                  .granule_words = c.granule_words,
+                  .row_bits = row_bits,
+                  .row_lo = row_lo,
+                  .row_hi = row_hi};
+    if (may_decode) {
       scan.spans = spans;
       scan.span_row_cap = span_row_cap;
       scan.span_count = span_off + 1;
     }
     if (scan_tasks == 1) {
-      ScanPrefillTask(&scan, 0);
+      ScanMaskTask(&scan, 0);
     } else {
-      pf.run(pf.user, scan_tasks, ScanPrefillTask, &scan);
+      pf.run(pf.user, scan_tasks, ScanMaskTask, &scan);
     }
+    if (may_decode) PackSpans(spans, scan.span_row_cap, span_off + 1, c.B, span_off);
     if (choose_after_scan) {
-      PackSpans(spans, scan.span_row_cap, span_off + 1, c.B, span_off);
       use_decode = PreferDecode(spans, span_off, granules, c.granule_words, c.B, q_tile);
       if (use_decode) c.granule_words = 0;  // decode reads no granules
       if (!use_decode && prefill_deferred != nullptr) {

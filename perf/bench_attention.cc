@@ -696,8 +696,8 @@ void BM_DecodeAutoManyRows(benchmark::State& state) {
 // (arg 1). two_vs_one is the speedup of the second thread (best calls, and means). Until session
 // 31 decode on 2 threads over 32768+ cells (shape 3, batched decode of 128 sequences: 33920 cells,
 // cut into 8 chunks of every KV head) prepared each head's query rows once per chunk, and q8_0's
-// two_vs_one was 1.30-1.32 where f16's was 1.45-1.55; prepared once per call, 1.58-1.61 (f16
-// 1.49-1.61; Xeon, two runs each). Args: q8 (0: f16, 1: q8_0), shape.
+// two_vs_one was 1.30-1.32 where f16's was 1.45-1.55 (two runs); prepared once per call,
+// 1.39-1.62 and 1.42-1.61 (seven runs; Xeon, a noisy host). Args: q8 (0: f16, 1: q8_0), shape.
 void BM_DecodeManyRowsThreads(benchmark::State& state) {
   const kv::DType dtype = state.range(0) != 0 ? kv::DType::kQ8_0 : kv::DType::kF16;
   CacheFiller f(13);

@@ -527,9 +527,9 @@ TEST_P(AttentionTest, Batch512) {
 
 // Long histories: the decode split into chunks and its merge, threads 1 and 2. L 2100 on 2 threads
 // gives one task per KV head and chunk (Hkv 2: 4 chunks of 640 cells; Hkv 5: 2 of 1152); on one
-// thread a single task walks every head. A case of 32 rows prepares the heads' query rows on the
-// threads. The last cases are long enough for 2 threads to split the cells into 8 chunks whose
-// tasks walk every head.
+// thread a single task walks every head. A case of 32 rows runs the call's scan, query
+// preparation and merge on the threads. The last cases are long enough for 2 threads to split the
+// cells into 8 chunks whose tasks walk every head.
 TEST_P(AttentionTest, LongHistoryThreads) {
   ThreadPool pool2(2);
   int mi = 0;
@@ -548,14 +548,15 @@ TEST_P(AttentionTest, LongHistoryThreads) {
     ++mi;
     CheckCase(c, {{AttentionMode::kDecode, nullptr}, {AttentionMode::kDecode, &pool2}});
   }
-  // Several chunks per head with enough query rows (B * Hq >= 256) that the call prepares each
-  // head's rows on the threads before its tasks run: every dtype and V layout (q8_0 with each K
-  // pass: CheckCase repeats its runs), f16's pair patterns.
+  // Several chunks per head (4) and enough rows that the call splits all its serial parts over
+  // the threads: the mask scan (32 rows), the preparation of each head's query rows (B * Hq =
+  // 1024 >= 256) and the merge (B * Hq * chunks = 4096): every dtype and V layout (q8_0 with each
+  // K pass: CheckCase repeats its runs), f16's pair patterns.
   for (auto [dt, perm] : DTypeLayouts()) {
     Case c;
     c.dt = dt;
     c.perm = perm;
-    c.G = 4;
+    c.G = 16;
     c.Hkv = 2;
     c.B = 32;
     c.L = 2100;
