@@ -553,14 +553,8 @@ TEST_P(AttentionTest, LongHistoryThreads) {
   // 1024 >= 256) and the merge (B * Hq * chunks = 4096): every dtype and V layout (q8_0 with each
   // K pass: CheckCase repeats its runs), f16's pair patterns.
   for (auto [dt, perm] : DTypeLayouts()) {
-    Case c;
-    c.dt = dt;
-    c.perm = perm;
-    c.G = 16;
-    c.Hkv = 2;
-    c.B = 32;
-    c.L = 2100;
-    c.mask = MaskKind::kMultiSeq;
+    const Case c{
+        .dt = dt, .perm = perm, .Hkv = 2, .G = 16, .B = 32, .L = 2100, .mask = MaskKind::kMultiSeq};
     CheckCase(c, {{AttentionMode::kDecode, &pool2}});
   }
   {
