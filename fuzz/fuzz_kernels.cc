@@ -298,8 +298,10 @@ void FuzzAttention(Reader& r) {
   const int64_t Dv = quant ? 32 * r.Int(1, 2) : (r.OneIn(2) ? D : r.Pick(dims));
   const int64_t Hkv = r.Int(1, 2), G = r.Int(1, 3), Hq = Hkv * G;
   // B: decode's sizes, kAuto's choice between decode and prefill (8-20), and now and then more
-  // rows than one decode plan serves (65-140: decode and kAuto run them in groups).
-  const int64_t L = r.Int(1, 300);
+  // rows than one decode plan serves (65-140: decode and kAuto run them in groups). L: now and
+  // then past 512 cells, where decode on several threads cuts each head's cells into chunks
+  // (prepares the heads' query rows once for them, and merges their partials).
+  const int64_t L = r.OneIn(10) ? r.Int(513, 1500) : r.Int(1, 300);
   const int64_t B = r.OneIn(3) ? (r.OneIn(5) ? r.Int(65, 140) : r.Int(8, 20)) : r.Int(1, 7);
   const bool perm = !quant && r.OneIn(4);
   const bool head_major = r.OneIn(2);
