@@ -1821,7 +1821,7 @@ void RunDecodeTyped(const Ctx& c, const ParallelForFn& pf) {
   // query rows are prepared once here, not once per chunk. Prepared per chunk, they took ~17% of
   // the kernel's time in q8_0 decode of 64-row groups over 33920 cells on 2 threads (8 chunks of
   // every head; the 24-bit rounding of each row), and the second thread sped that decode up 1.3x
-  // where f16 gained 1.5x; prepared once, 1.6x (bench_attention's BM_DecodeManyRowsThreads,
+  // where f16 gained 1.5x; prepared once, 1.4-1.6x (bench_attention's BM_DecodeManyRowsThreads,
   // perf/HISTORY.md, session 31). The rows are prepared on the threads, a head per task, when there
   // are enough of them to pay for the extra fork and join (2048 rows: ~0.5 ms on one thread).
   Ctx dc = c;
