@@ -678,7 +678,7 @@ int64_t ScanRow(const TensorView& mask, int64_t b, int64_t L, uint64_t* row_bits
 // a tile inside them is only scanned, the mask not read). Task t scans rows [t * rows_per_task, ..)
 // with its own 2 * MaskRowBitWords(L) words of row_bits. With `spans` (decode, or kAuto's choice)
 // it records each row's visible spans: row b's at spans + 2 * b * span_row_cap and their count in
-// span_count[b]; PackSpans then lays them out as the one-thread scan does.
+// span_count[b]; PackSpans then packs them in row order (decode's layout).
 struct MaskScan {
   const TensorView* mask;
   int64_t L, rows_per_task, B;
@@ -914,13 +914,6 @@ bool AttentionRows(const TensorView& q, const TensorView& k, const TensorView& v
       span_off[b + 1] = use_decode && any ? b + 1 : 0;
       row_lo[b] = any ? 0 : static_cast<int32_t>(c.L);
       row_hi[b] = any ? static_cast<int32_t>(c.L) : 0;
-    }
-  } else if (use_decode && scan_tasks == 1) {
-    for (int64_t b = 0; b < c.B; ++b) {
-      RowScanOut row_out;
-      row_out.spans = spans + 2 * span_off[b];
-      span_off[b + 1] =
-          span_off[b] + ScanRow(mask, b, c.L, row_bits, row_out, row_lo[b], row_hi[b]);
     }
   } else {
     MaskScan scan{.mask = &mask,

@@ -663,6 +663,22 @@ bool FillManyRowsShape(CacheFiller& f, kv::DType dtype, int shape, int* rows, st
   return ok && f.Put(*rows);
 }
 
+// CompareTwoWays over shape `shape` of BM_DecodeAutoManyRows, stored as f16 (q8 == 0) or q8_0.
+template <class SetParams>
+void CompareOnManyRowsShape(benchmark::State& state, int64_t q8, int64_t shape, int threads,
+                            const char* const (&names)[2], const SetParams& set, int threads1 = 0) {
+  const kv::DType dtype = q8 != 0 ? kv::DType::kQ8_0 : kv::DType::kF16;
+  CacheFiller f(13);
+  int rows = 0;
+  std::string label;
+  if (!FillManyRowsShape(f, dtype, static_cast<int>(shape), &rows, &label)) {
+    state.SkipWithError("building the cache failed");
+    return;
+  }
+  const int64_t L = CompareTwoWays(state, f, rows, threads, names, set, threads1);
+  state.SetLabel(label + " L " + std::to_string(L));
+}
+
 // 8 rows and more under AttentionMode::kAuto: decode or prefill, whichever computes fewer (row,
 // cell) pairs (since session 29; above 64 rows per group of rows since session 30), against
 // prefill, which kAuto ran from 8 rows on before (above 64 rows, until session 30). Shapes (arg
@@ -675,21 +691,12 @@ bool FillManyRowsShape(CacheFiller& f, kv::DType dtype, int shape, int* rows, st
 // (what kAuto pays there is the groups' scans of the mask). auto_vs_prefill > 1 where kAuto is
 // faster (best calls, and means). Args: q8 (0: f16, 1: q8_0), threads, shape.
 void BM_DecodeAutoManyRows(benchmark::State& state) {
-  const kv::DType dtype = state.range(0) != 0 ? kv::DType::kQ8_0 : kv::DType::kF16;
-  const int threads = static_cast<int>(state.range(1));
-  CacheFiller f(13);
-  int rows = 0;
-  std::string label;
-  if (!FillManyRowsShape(f, dtype, static_cast<int>(state.range(2)), &rows, &label)) {
-    state.SkipWithError("building the cache failed");
-    return;
-  }
   const char* const names[2] = {"auto", "prefill"};
-  const int64_t L = CompareTwoWays(
-      state, f, rows, threads, names, [](kv::kernels::AttentionKernelParams& kp, int c) {
-        kp.mode = c == 0 ? kv::kernels::AttentionMode::kAuto : kv::kernels::AttentionMode::kPrefill;
-      });
-  state.SetLabel(label + " L " + std::to_string(L));
+  CompareOnManyRowsShape(state, state.range(0), state.range(2), static_cast<int>(state.range(1)),
+                         names, [](kv::kernels::AttentionKernelParams& kp, int c) {
+                           kp.mode = c == 0 ? kv::kernels::AttentionMode::kAuto
+                                            : kv::kernels::AttentionMode::kPrefill;
+                         });
 }
 
 // The same kAuto calls on 2 threads and on 1, alternating, over BM_DecodeAutoManyRows' shapes
@@ -699,18 +706,10 @@ void BM_DecodeAutoManyRows(benchmark::State& state) {
 // two_vs_one was 1.30-1.32 where f16's was 1.45-1.55 (two runs); prepared once per call,
 // 1.39-1.62 and 1.42-1.61 (seven runs; Xeon, a noisy host). Args: q8 (0: f16, 1: q8_0), shape.
 void BM_DecodeManyRowsThreads(benchmark::State& state) {
-  const kv::DType dtype = state.range(0) != 0 ? kv::DType::kQ8_0 : kv::DType::kF16;
-  CacheFiller f(13);
-  int rows = 0;
-  std::string label;
-  if (!FillManyRowsShape(f, dtype, static_cast<int>(state.range(1)), &rows, &label)) {
-    state.SkipWithError("building the cache failed");
-    return;
-  }
   const char* const names[2] = {"two", "one"};
-  const int64_t L = CompareTwoWays(
-      state, f, rows, 2, names, [](kv::kernels::AttentionKernelParams&, int) {}, 1);
-  state.SetLabel(label + " L " + std::to_string(L));
+  CompareOnManyRowsShape(
+      state, state.range(0), state.range(1), 2, names,
+      [](kv::kernels::AttentionKernelParams&, int) {}, 1);
 }
 
 // Args: threads, head_dim (128: the shape; 64: kvperf's default model).
