@@ -622,6 +622,12 @@ bool IsAmdFamily19h() {
 #endif
 }
 
+// The fewest mask rows a scanning task takes: a masked 512 x 4096 prefill call reads 8 MiB of mask
+// before its tasks start, a decode call of 64 rows over 33792 cells 8.6 MiB (~6% of a 2-thread
+// call of 128 rows when it ran on the calling thread alone, session 30's profile); split over the
+// threads, 16 rows or more per task.
+constexpr int64_t kMinScanRows = 16;
+
 // Where one mask row's scan writes (ScanRow). Null outputs are not written.
 struct RowScanOut {
   int32_t* spans = nullptr;      // [s0, s1) pairs of visible cells, ascending (decode)
@@ -629,16 +635,21 @@ struct RowScanOut {
   uint64_t* plain = nullptr;  // the granules all visible with mask values of +-0 (prefill), zeroed
 };
 
-// Row b of the mask (f32 or f16, the contract, checked by Attend): MaskRowBits into row_bits (2 *
-// MaskRowBitWords(L) words of scratch: the hidden cells, then the nonzero values), then one walk
-// over the visible runs writing what `out` asks for. lo / hi: the row's box (L and 0 when nothing
-// is visible). Returns the number of spans (visible runs).
-int64_t ScanRow(const TensorView& mask, int64_t b, int64_t L, uint64_t* row_bits,
-                const RowScanOut& out, int32_t& lo, int32_t& hi) {
+// Row b of the mask (f32 or f16, the contract, checked by Attend) as its two bitmaps (MaskBits'
+// layout, MaskBitsRowWords(L) words: the hidden cells, then the nonzero values), then one walk over
+// the visible runs writing what `out` asks for. The bitmaps are `given` (the row's, from
+// AttentionKernelParams::mask_bits), or else MaskRowBits writes them into row_bits (as many words
+// of scratch). lo / hi: the row's box (L and 0 when nothing is visible). Returns the number of
+// spans (visible runs).
+int64_t ScanRow(const TensorView& mask, int64_t b, int64_t L, const uint64_t* given,
+                uint64_t* row_bits, const RowScanOut& out, int32_t& lo, int32_t& hi) {
   const int64_t words = attn::MaskRowBitWords(L);
-  uint64_t* hidden = row_bits;
-  const uint64_t* nonzero = row_bits + words;
-  attn::MaskRowBits(mask, b, hidden, row_bits + words);
+  if (given == nullptr) {
+    attn::MaskRowBits(mask, b, row_bits, row_bits + words);
+    given = row_bits;
+  }
+  const uint64_t* hidden = given;
+  const uint64_t* nonzero = given + words;
   // Whether every mask value of granule g is +-0 (the caches' visible cells). A granule's bits
   // lie in one word.
   static_assert(64 % attn::kGranuleCells == 0);
@@ -676,7 +687,8 @@ int64_t ScanRow(const TensorView& mask, int64_t b, int64_t L, uint64_t* row_bits
 // words per row, zeroed by the caller): the granules with a visible cell (rows [0, B) of
 // `granules`), and the granules whose cells are all visible with a mask value of +-0 (rows [B, 2B):
 // a tile inside them is only scanned, the mask not read). Task t scans rows [t * rows_per_task, ..)
-// with its own 2 * MaskRowBitWords(L) words of row_bits. With `spans` (decode, or kAuto's choice)
+// from mask_bits when the call has them, else with its own MaskBitsRowWords(L) words of row_bits,
+// reading the mask. With `spans` (decode, or kAuto's choice)
 // it records each row's visible spans: row b's at spans + 2 * b * span_row_cap and their count in
 // span_count[b]; PackSpans then packs them in row order (decode's layout).
 struct MaskScan {
@@ -684,7 +696,8 @@ struct MaskScan {
   int64_t L, rows_per_task, B;
   uint64_t* granules;
   int64_t granule_words;
-  uint64_t* row_bits;
+  const uint64_t* mask_bits;  // AttentionKernelParams::mask_bits, or null
+  uint64_t* row_bits;         // null with mask_bits
   int32_t* row_lo;
   int32_t* row_hi;
   int32_t* spans = nullptr;
@@ -694,7 +707,8 @@ struct MaskScan {
 
 void ScanMaskTask(void* ctx, int64_t task) {
   const MaskScan& s = *static_cast<const MaskScan*>(ctx);
-  uint64_t* row_bits = s.row_bits + task * 2 * attn::MaskRowBitWords(s.L);
+  const int64_t row_words = MaskBitsRowWords(s.L);
+  uint64_t* row_bits = s.mask_bits != nullptr ? nullptr : s.row_bits + task * row_words;
   const int64_t b1 = std::min(s.B, (task + 1) * s.rows_per_task);
   for (int64_t b = task * s.rows_per_task; b < b1; ++b) {
     RowScanOut out;
@@ -703,7 +717,8 @@ void ScanMaskTask(void* ctx, int64_t task) {
       out.plain = s.granules + (s.B + b) * s.granule_words;
     }
     if (s.spans != nullptr) out.spans = s.spans + 2 * b * s.span_row_cap;
-    const int64_t n = ScanRow(*s.mask, b, s.L, row_bits, out, s.row_lo[b], s.row_hi[b]);
+    const uint64_t* given = s.mask_bits != nullptr ? s.mask_bits + b * row_words : nullptr;
+    const int64_t n = ScanRow(*s.mask, b, s.L, given, row_bits, out, s.row_lo[b], s.row_hi[b]);
     if (s.spans != nullptr) s.span_count[b] = n;
   }
 }
@@ -870,16 +885,13 @@ bool AttentionRows(const TensorView& q, const TensorView& k, const TensorView& v
                         : (c.L + 64 * attn::kGranuleCells - 1) / (64 * attn::kGranuleCells);
   const size_t granule_bytes = 2 * static_cast<size_t>(c.B * c.granule_words) * 8;  // both maps
   // One mask row's bitmaps at a time per scanning task (MaskRowBitsImpl): hidden cells, then
-  // nonzero values. The rows are scanned on every thread, at least kMinScanRows rows per task: a
-  // masked 512 x 4096 prefill call reads 8 MiB of mask before its tasks start, a decode call of 64
-  // rows over 33792 cells 8.6 MiB (~6% of a 2-thread call of 128 rows when it ran on the calling
-  // thread alone, session 30's profile).
-  constexpr int64_t kMinScanRows = 16;
+  // nonzero values (none with mask_bits: the rows' bitmaps are given). The rows are scanned on
+  // every thread, at least kMinScanRows rows per task.
   const int64_t scan_tasks =
       mask.data != nullptr && threads > 1 ? std::clamp<int64_t>(c.B / kMinScanRows, 1, threads) : 1;
-  const size_t row_bits_bytes =
-      mask.data == nullptr ? 0
-                           : static_cast<size_t>(scan_tasks * 2 * attn::MaskRowBitWords(c.L)) * 8;
+  const size_t row_bits_bytes = mask.data == nullptr || params.mask_bits != nullptr
+                                    ? 0
+                                    : static_cast<size_t>(scan_tasks * MaskBitsRowWords(c.L)) * 8;
   const size_t total_bytes = header_bytes + span_cap * 8 + plan_bytes + granule_bytes +
                              row_bits_bytes + partial_floats * 4 + 192;
   float* base = attn::ThreadScratch((total_bytes + 3) / 4, 0);
@@ -922,6 +934,7 @@ bool AttentionRows(const TensorView& q, const TensorView& k, const TensorView& v
                   .B = c.B,
                   .granules = granules,
                   .granule_words = c.granule_words,
+                  .mask_bits = params.mask_bits,
                   .row_bits = row_bits,
                   .row_lo = row_lo,
                   .row_hi = row_hi};
@@ -996,7 +1009,8 @@ TensorView RowsOf(const TensorView& t, int64_t r0, int64_t r1) {
 // Groups that choose prefill are not run at once: each run of consecutive ones becomes one prefill
 // call, tiled as a call of those rows alone would be, so that a prompt of 512 rows loses none of
 // prefill's tasks and runs bit for bit as before; what it pays is the groups' scans of its mask
-// (read twice: 4 bytes per row and cell, next to prefill's ~4 * Hq * D flops).
+// (read twice: 4 bytes per row and cell, next to prefill's ~4 * Hq * D flops; with mask_bits, a
+// cache's History after the first layer of a pass, 2 bits per row and cell).
 bool Attention(const TensorView& q, const TensorView& k, const TensorView& v,
                const TensorView& mask, const AttentionKernelParams& params, const ParallelForFn& pf,
                TensorView* out) {
@@ -1010,7 +1024,10 @@ bool Attention(const TensorView& q, const TensorView& k, const TensorView& v,
   prefill_params.mode = AttentionMode::kPrefill;
   const auto run = [&](int64_t r0, int64_t r1, const AttentionKernelParams& p, bool* deferred) {
     TensorView rows_out = RowsOf(*out, r0, r1);
-    return AttentionRows(RowsOf(q, r0, r1), k, v, RowsOf(mask, r0, r1), p, pf, &rows_out, deferred);
+    AttentionKernelParams rows_params = p;
+    if (p.mask_bits != nullptr) rows_params.mask_bits += r0 * MaskBitsRowWords(k.ne[2]);
+    return AttentionRows(RowsOf(q, r0, r1), k, v, RowsOf(mask, r0, r1), rows_params, pf, &rows_out,
+                         deferred);
   };
   int64_t prefill_from = -1;  // the first row of the groups that chose prefill, not yet run
   for (int64_t g = 0; g < groups; ++g) {
@@ -1025,6 +1042,38 @@ bool Attention(const TensorView& q, const TensorView& k, const TensorView& v,
     }
   }
   return prefill_from < 0 || run(prefill_from, B, prefill_params, nullptr);
+}
+
+namespace {
+// MaskBits' rows, split as a call's own scan is (kMinScanRows rows per task at least).
+struct MaskBitsJob {
+  const TensorView* mask;
+  int64_t rows_per_task, B;
+  uint64_t* bits;
+};
+
+void MaskBitsTask(void* ctx, int64_t task) {
+  const MaskBitsJob& j = *static_cast<const MaskBitsJob*>(ctx);
+  const int64_t words = attn::MaskRowBitWords(j.mask->ne[0]);
+  const int64_t b1 = std::min(j.B, (task + 1) * j.rows_per_task);
+  for (int64_t b = task * j.rows_per_task; b < b1; ++b) {
+    uint64_t* row = j.bits + b * 2 * words;
+    attn::MaskRowBits(*j.mask, b, row, row + words);
+  }
+}
+}  // namespace
+
+void MaskBits(const TensorView& mask, const ParallelForFn& pf, uint64_t* bits) {
+  const int64_t B = mask.ne[1];
+  if (B <= 0) return;
+  const int threads = pf.run != nullptr ? std::max(1, pf.num_threads) : 1;
+  const int64_t tasks = std::clamp<int64_t>(B / kMinScanRows, 1, threads);
+  MaskBitsJob job{.mask = &mask, .rows_per_task = (B + tasks - 1) / tasks, .B = B, .bits = bits};
+  if (tasks == 1) {
+    MaskBitsTask(&job, 0);
+  } else {
+    pf.run(pf.user, tasks, MaskBitsTask, &job);
+  }
 }
 
 }  // namespace kv::kernels

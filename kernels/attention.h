@@ -150,6 +150,12 @@ struct AttentionKernelParams {
   PrefetchLevel prefetch = PrefetchLevel::kAuto;
   // kAuto unless a test or benchmark compares the two.
   QuantVScaling quant_v_scaling = QuantVScaling::kAuto;
+  // The mask's rows as MaskBits (below) wrote them, row b at mask_bits + b * MaskBitsRowWords(L);
+  // null: the call finds the visible cells by reading every mask element. With them the call reads
+  // the mask only where prefill computes a tile that is partly hidden or holds values other than
+  // +-0. The layers of a forward pass share one mask: core/mask_index.h computes these once per
+  // pass, so that each layer does not read the whole mask again (4 bytes per row and cell).
+  const uint64_t* mask_bits = nullptr;
 };
 
 // kAuto resolved for this CPU (cpuid, read once); kL1 / kL2 as given. On the Zen 4 EPYC of
@@ -172,6 +178,17 @@ struct ParallelForFn {
   void* user = nullptr;
   int num_threads = 1;  // how many threads run may use at once: sizes the decode split
 };
+
+// Words per mask row of MaskBits' output for a history of L cells: the row's hidden cells (bit j
+// of word j / 64 set where element j is -inf), then its nonzero values (set where element j is not
+// +-0: NaN, inf and finite values other than zero). Bits from L on are clear.
+inline constexpr int64_t MaskBitsRowWords(int64_t L) { return 2 * ((L + 63) / 64); }
+
+// Every row of `mask` ([L, B], f32 or f16, elements packed: Attention's contract) as bitmaps, row b
+// at bits + b * MaskBitsRowWords(L), for AttentionKernelParams::mask_bits. Reads the mask once
+// (4 or 2 bytes per element) and writes 1/16 (f32) of it; the rows are split over pf's threads,
+// at least 16 per task.
+void MaskBits(const TensorView& mask, const ParallelForFn& pf, uint64_t* bits);
 
 // Preconditions (checked by core/attend.cc): shapes as above, D <= kAttentionMaxHeadDim, quantized
 // D and Dv multiples of 32, Hq % Hkv == 0, K and V of one dtype, permuted V not quantized.

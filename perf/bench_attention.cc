@@ -712,6 +712,59 @@ void BM_DecodeManyRowsThreads(benchmark::State& state) {
       [](kv::kernels::AttentionKernelParams&, int) {}, 1);
 }
 
+// A call given the mask's row bitmaps (AttentionKernelParams::mask_bits, what a cache's MaskIndex
+// hands every layer after the first of a pass) against the same call reading its mask, alternating,
+// on kvperf's default shape: 64 sequences share a 1024-token system prompt (CopyPrefix), 63 of
+// them hold a 512-token prompt of their own, and the batch is
+// - shape 0: the last sequence's 512-token prompt (33792 cells: each row sees ~1500 of them,
+//   prefill's tiles skip the rest, and the mask, 66 MiB in f32, is what a call reads most), or
+// - shape 1: one decode token of every sequence, after all 64 prompts (64 rows over 33856 cells,
+//   the mask 8.3 MiB).
+// given_vs_read > 1 where the bits are faster (best calls, and means). Args: q8 (0: f16, 1: q8_0),
+// threads, shape.
+void BM_MaskBitsGiven(benchmark::State& state) {
+  const kv::DType dtype = state.range(0) != 0 ? kv::DType::kQ8_0 : kv::DType::kF16;
+  const int threads = static_cast<int>(state.range(1));
+  const bool decode = state.range(2) != 0;
+  constexpr int kSeqs = 64, kSystem = 1024, kOwn = 512;
+  CacheFiller f(17);
+  bool ok = f.cache->Init(dtype, kSeqs, kSystem + kSeqs * kOwn + kSeqs, 512).ok();
+  ok = ok && f.Prompt(0, 0, kSystem);
+  for (int s = 1; ok && s < kSeqs; ++s) ok = f.cache->CopyPrefix(0, s, kSystem).ok();
+  for (int s = 0; ok && s < kSeqs - 1; ++s) ok = f.Prompt(s, kSystem, kOwn);
+  int rows = kOwn;
+  if (decode) {
+    ok = ok && f.Prompt(kSeqs - 1, kSystem, kOwn);
+    rows = kSeqs;
+    for (int s = 0; s < kSeqs; ++s) {
+      f.pos[s] = kSystem + kOwn;
+      f.seq[s] = s;
+    }
+  } else {
+    for (int i = 0; i < kOwn; ++i) {
+      f.pos[i] = kSystem + i;
+      f.seq[i] = kSeqs - 1;
+    }
+  }
+  ok = ok && f.Put(rows);
+  if (!ok) {
+    state.SkipWithError("building the cache failed");
+    return;
+  }
+  const kv::History h = f.cache->Get();
+  std::vector<uint64_t> bits(static_cast<size_t>(h.mask.ne[1]) *
+                             static_cast<size_t>(kv::kernels::MaskBitsRowWords(h.mask.ne[0])));
+  kv::kernels::MaskBits(h.mask, kv::kernels::ParallelForFn{}, bits.data());
+  const char* const names[2] = {"given", "read"};
+  const int64_t L = CompareTwoWays(state, f, rows, threads, names,
+                                   [&](kv::kernels::AttentionKernelParams& kp, int c) {
+                                     kp.mask_bits = c == 0 ? bits.data() : nullptr;
+                                   });
+  state.SetLabel(std::string(dtype == kv::DType::kF16 ? "f16 " : "q8_0 ") +
+                 (decode ? "64 sequences decode" : "a 512-token prompt of 64 sequences") + " L " +
+                 std::to_string(L));
+}
+
 // Args: threads, head_dim (128: the shape; 64: kvperf's default model).
 void BM_Prefill(benchmark::State& state) {
   const int threads = static_cast<int>(state.range(0));
@@ -856,6 +909,11 @@ BENCHMARK(BM_DecodeAutoManyRows)
     ->UseRealTime();
 BENCHMARK(BM_DecodeManyRowsThreads)
     ->ArgsProduct({{0, 1}, {3}})
+    ->Unit(benchmark::kMicrosecond)
+    ->MinTime(1.0)
+    ->UseRealTime();
+BENCHMARK(BM_MaskBitsGiven)
+    ->ArgsProduct({{0, 1}, {1, 2}, {0, 1}})
     ->Unit(benchmark::kMicrosecond)
     ->MinTime(1.0)
     ->UseRealTime();

@@ -408,6 +408,13 @@ void CheckCase(const Case& c, std::initializer_list<Run> given) {
   const double int_k_tol = std::expm1(2.0 * qmax / 65278.0 * ksum_max);
   const double int_k24_tol = std::expm1(2.0 * qmax / 16711422.0 * ksum_max);
   const double tol = 1.0 * (2.0 * dlogit + 2e-6);  // max|V| <= 1
+  // The mask's row bitmaps, as a cache's MaskIndex hands them to every layer: each run is repeated
+  // with them and must give the same bits (only where the scan reads the rows changes).
+  std::vector<uint64_t> mask_bits;
+  if (!mask.empty()) {
+    mask_bits.assign(static_cast<size_t>(c.B * kernels::MaskBitsRowWords(c.L)), ~uint64_t{0});
+    kernels::MaskBits(mv, kernels::ParallelForFn{}, mask_bits.data());
+  }
   for (const Run& run : runs) {
     SCOPED_TRACE("mode=" + std::to_string(static_cast<int>(run.mode)) +
                  " threads=" + std::to_string(run.pool ? run.pool->NumThreads() : 1) +
@@ -440,6 +447,15 @@ void CheckCase(const Case& c, std::initializer_list<Run> given) {
                       << " hq=" << i / (static_cast<size_t>(c.Dv) * c.B) << ") out=" << out[i]
                       << " ref=" << ref[i] << " tol=" << run_tol;
       }
+    }
+    if (!mask_bits.empty()) {
+      std::vector<float> first = out;
+      std::fill(out.begin(), out.end(), 12345.0f);
+      kp.mask_bits = mask_bits.data();
+      EXPECT_TRUE(kernels::Attention(qv, h.k, h.v, mv, kp, pf, &ov));
+      kp.mask_bits = nullptr;
+      EXPECT_EQ(std::memcmp(out.data(), first.data(), out.size() * sizeof(float)), 0)
+          << "with the mask's bits given, the output differs";
     }
   }
 }
@@ -1427,6 +1443,88 @@ TEST_P(AttentionTest, MaskRowBitsMatchEveryElement) {
               L, [&](int64_t j) { return kernels::attn::MaskValue(mv, b, j) == -kInf; },
               [&](int64_t s0, int64_t s1) { want.emplace_back(s0, s1); });
           ASSERT_EQ(got, want) << "L=" << L << " b=" << b;
+        }
+      }
+    }
+  }
+}
+
+// MaskBits writes every row's MaskRowBits, on one thread or split over two.
+TEST_P(AttentionTest, MaskBitsAreEachRowsMaskRowBits) {
+  ThreadPool pool2(2);
+  std::mt19937 rng(78);
+  for (DType mdt : {DType::kF32, DType::kF16}) {
+    for (int L : {1, 63, 64, 65, 1000}) {
+      for (int B : {1, 15, 40}) {
+        SCOPED_TRACE(std::string(DTypeName(mdt)) + " L=" + std::to_string(L) +
+                     " B=" + std::to_string(B));
+        std::vector<uint8_t> mask = BuildTestMask(MaskKind::kSparseBias, L, B, mdt, rng);
+        // Some NaN and +inf among them: nonzero, not hidden.
+        for (int i = 0; i < 5; ++i) {
+          StoreFromF32(mask.data(), mdt, rng() % (static_cast<size_t>(L) * B),
+                       i % 2 ? kInf : std::nanf(""));
+        }
+        const TensorView mv = MakeView(mask.data(), mdt, {L, B});
+        const int64_t row_words = kernels::MaskBitsRowWords(L);
+        std::vector<uint64_t> want(static_cast<size_t>(row_words) * B);
+        for (int b = 0; b < B; ++b) {
+          kernels::attn::MaskRowBits(mv, b, &want[b * row_words],
+                                     &want[b * row_words] + row_words / 2);
+        }
+        for (ThreadPool* pool : {static_cast<ThreadPool*>(nullptr), &pool2}) {
+          std::vector<uint64_t> got(want.size(), 0x5555555555555555u);
+          kernels::MaskBits(mv, KernelParallelFor(pool), got.data());
+          EXPECT_EQ(got, want) << (pool != nullptr ? "2 threads" : "1 thread");
+        }
+      }
+    }
+  }
+}
+
+// Given the mask's bits (AttentionKernelParams::mask_bits), the call finds the visible cells from
+// them and not from the mask: over a mask of zeros, the bits of a mask that hides the first half of
+// every row give that mask's output, bit for bit, in every mode, on 1 and 2 threads, for one row,
+// for 32 (kAuto chooses after the scan) and for 130 (rows in groups: each group gets its rows'
+// bits). Half is whole tiles, so prefill reads no mask value there either (a tile is either wholly
+// hidden or in plain granules). A kernel that ignored the bits would see every cell.
+TEST_P(AttentionTest, MaskBitsDecideWhatIsVisible) {
+  ThreadPool pool2(2);
+  constexpr int kD = 64, kHkv = 2, kG = 2, kHq = kHkv * kG, kL = 512;
+  std::mt19937 rng(79);
+  for (DType dt : {DType::kF16, DType::kQ8_0}) {
+    TestHistory h = MakeHistory(dt, kD, kD, kHkv, kL, false, rng);
+    for (int B : {1, 32, 130}) {
+      std::vector<float> q = RandomQueries(kD, B, kHq, rng);
+      // Row b sees [kL / 2, kL / 2 + 1 + b % (kL / 2)): causal-like, each row its own length.
+      std::vector<float> half = RowRangeMask(kL, B, [&](int b) {
+        return std::pair{kL / 2, kL / 2 + 1 + b % (kL / 2)};
+      });
+      std::vector<float> zeros(half.size(), 0.0f);
+      for (size_t i = 0; i < zeros.size(); ++i) {
+        if (i % kL >= kL / 2 && half[i] == -kInf) zeros[i] = -kInf;  // the second half as `half`
+      }
+      const TensorView qv = MakeView(q.data(), DType::kF32, {kD, B, kHq});
+      const TensorView half_v = MakeView(half.data(), DType::kF32, {kL, B});
+      const TensorView zeros_v = MakeView(zeros.data(), DType::kF32, {kL, B});
+      std::vector<uint64_t> bits(static_cast<size_t>(B * kernels::MaskBitsRowWords(kL)));
+      kernels::MaskBits(half_v, kernels::ParallelForFn{}, bits.data());
+      for (AttentionMode mode :
+           {AttentionMode::kAuto, AttentionMode::kDecode, AttentionMode::kPrefill}) {
+        for (ThreadPool* pool : {static_cast<ThreadPool*>(nullptr), &pool2}) {
+          SCOPED_TRACE(std::string(DTypeName(dt)) + " B=" + std::to_string(B) +
+                       " mode=" + std::to_string(static_cast<int>(mode)) +
+                       (pool != nullptr ? " 2 threads" : " 1 thread"));
+          kernels::AttentionKernelParams kp;
+          kp.scale = 0.125f;
+          kp.mode = mode;
+          const kernels::ParallelForFn pf = KernelParallelFor(pool);
+          std::vector<float> want(static_cast<size_t>(kD) * B * kHq), got(want.size(), 7.0f);
+          TensorView want_v = MakeView(want.data(), DType::kF32, {kD, B, kHq});
+          TensorView got_v = MakeView(got.data(), DType::kF32, {kD, B, kHq});
+          ASSERT_TRUE(kernels::Attention(qv, h.k, h.v, half_v, kp, pf, &want_v));
+          kp.mask_bits = bits.data();
+          ASSERT_TRUE(kernels::Attention(qv, h.k, h.v, zeros_v, kp, pf, &got_v));
+          EXPECT_EQ(std::memcmp(got.data(), want.data(), want.size() * sizeof(float)), 0);
         }
       }
     }
