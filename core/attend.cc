@@ -5,6 +5,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "core/mask_index.h"
 #include "kernels/attention.h"
 #include "kernels/convert.h"
 #include "kernels/grow_buffer.h"
@@ -131,6 +132,9 @@ Status Attend(const TensorView& q, const History& history, const AttentionParams
   pf.num_threads = parallel.num_threads;
   TensorView k = history.k, v = history.v;
   if (k.dtype != v.dtype && k.ne[2] > 0) KV_RETURN_IF_ERROR(WidenMixedToF32(&k, &v));
+  // The mask's row bitmaps, computed once per forward pass for all the layers (the first call
+  // computes them, reading the mask; later ones skip that read).
+  if (history.mask_index != nullptr) kp.mask_bits = history.mask_index->BitsFor(history.mask, pf);
   if (!kernels::Attention(q, k, v, history.mask, kp, pf, out)) {
     return Status::Error(Code::kOutOfMemory, "Attend: no memory for the kernels' scratch buffers");
   }

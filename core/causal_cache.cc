@@ -145,8 +145,7 @@ Status CausalCacheImpl::Init(DType dtype, int max_sequences, int capacity, int m
   KV_RETURN_IF_ERROR(OwnedBlock::Allocate(arena_.allocator(), sizes.bytes, &pass));
   // One mask row over every cell: a decode step (B = 1) never grows the mask buffer.
   OwnedBlock mask;
-  KV_RETURN_IF_ERROR(OwnedBlock::Allocate(arena_.allocator(),
-                                          static_cast<size_t>(n_cells) * sizeof(float), &mask));
+  KV_RETURN_IF_ERROR(AllocateMaskBlock(static_cast<size_t>(n_cells), max_batch, &mask));
 
   // Commit.
   Close();
@@ -171,6 +170,7 @@ Status CausalCacheImpl::Init(DType dtype, int max_sequences, int capacity, int m
   max_sequences_ = max_sequences;
   capacity_ = capacity;
   max_batch_ = max_batch;
+  AttachMaskIndex();
   window_ = window;
   memory_ = memory;
   for (int i = 0; i < max_batch; ++i) batch_causal_[i] = 1;
@@ -192,6 +192,7 @@ void CausalCacheImpl::Close() {
   table_ = CellTable();
   mask_block_.Reset();
   mask_capacity_ = 0;
+  mask_index_.Attach(nullptr, 0);
   pass_block_.Reset();
   batch_pos_ = batch_seq_ = batch_cells_ = would_free_list_ = shift_deltas_ = slots_ = nullptr;
   batch_causal_ = seq_in_batch_ = nullptr;
@@ -209,13 +210,30 @@ Status CausalCacheImpl::EnsureMaskCapacity(size_t elements) {
   // (Init sizes one row over every cell), and a reserve pass sizes it for the worst case at once.
   if (elements <= mask_capacity_) return Status::Ok();
   OwnedBlock grown;
-  if (Status s = OwnedBlock::Allocate(arena_.allocator(), elements * sizeof(float), &grown);
-      !s.ok()) {
+  if (Status s = AllocateMaskBlock(elements, max_batch_, &grown); !s.ok()) {
     return Status::Error(Code::kOutOfMemory, "mask of %zu elements: %s", elements, s.message());
   }
   mask_block_ = static_cast<OwnedBlock&&>(grown);
   mask_capacity_ = elements;
+  AttachMaskIndex();
   return Status::Ok();
+}
+
+namespace {
+// Bytes of the mask block before its index bits: the f32 elements, rounded up to 64.
+size_t MaskBytes(size_t elements) { return (elements * sizeof(float) + 63) / 64 * 64; }
+}  // namespace
+
+Status CausalCacheImpl::AllocateMaskBlock(size_t elements, int32_t max_batch,
+                                          OwnedBlock* out) const {
+  const size_t bits_bytes = MaskIndex::WordsForAny(elements, max_batch) * sizeof(uint64_t);
+  return OwnedBlock::Allocate(arena_.allocator(), MaskBytes(elements) + bits_bytes, out);
+}
+
+void CausalCacheImpl::AttachMaskIndex() {
+  char* base = static_cast<char*>(mask_block_.data());
+  mask_index_.Attach(reinterpret_cast<uint64_t*>(base + MaskBytes(mask_capacity_)),
+                     MaskIndex::WordsForAny(mask_capacity_, max_batch_));
 }
 
 void CausalCacheImpl::ClearTrimPlan() {
@@ -395,6 +413,7 @@ void CausalCacheImpl::BuildMask() {
   rules.window_inclusive = config_.window_convention == WindowConvention::kInclusive;
   rules.chunk = chunk_;
   kernels::BuildMask(cells, tokens, rules, config_.mask_dtype, mask());
+  mask_index_.Invalidate();
 }
 
 void CausalCacheImpl::SetCausal(std::span<const int32_t> except) {
@@ -558,6 +577,7 @@ History CausalCacheImpl::Get() {
   h.mask.nb[0] = BlockBytes(config_.mask_dtype);
   h.mask.nb[1] = h.mask.nb[0] * static_cast<size_t>(len);
   h.mask.nb[2] = h.mask.nb[3] = h.mask.nb[1] * static_cast<size_t>(batch_size_);
+  h.mask_index = &mask_index_;
   if (layer_ >= 0 && layer_ < static_cast<int>(layers_.size()) && layers_[layer_].allocated) {
     const LayerStorage& layer = layers_[layer_];
     h.k = CellBlockView(layer.k_layout, layer.k, hist_min_, len);

@@ -12,6 +12,7 @@
 #include "core/arena.h"
 #include "core/cache.h"
 #include "core/cell_table.h"
+#include "core/mask_index.h"
 #include "layouts/kv_layout.h"
 
 namespace kv {
@@ -115,10 +116,19 @@ class CausalCacheImpl final : public CausalCache {
   int32_t hist_min_ = 0;             // history range [hist_min_, hist_max_], padded
   int32_t hist_max_ = -1;
   // [B][L] mask, f32 or f16 (then the first half of the bytes), from the arena's allocator so that
-  // running out of memory is a Status, not an abort.
+  // running out of memory is a Status, not an abort. After mask_capacity_ f32 elements (rounded up
+  // to 64 bytes) the block holds the words of mask_index_'s bits, sized for any batch and history
+  // that fit (MaskIndex::WordsForAny): Attend never allocates them.
   OwnedBlock mask_block_;
   size_t mask_capacity_ = 0;  // f32 elements
   float* mask() const { return static_cast<float*>(mask_block_.data()); }
+  // Allocates a mask block for `elements` f32 elements and their index bits (see mask_block_).
+  Status AllocateMaskBlock(size_t elements, int32_t max_batch, OwnedBlock* out) const;
+  // Points mask_index_ at the bits' words of mask_block_ (see mask_block_).
+  void AttachMaskIndex();
+  // The bits of the mask's rows, computed once per pass by the first Attend (History::mask_index).
+  // Invalidated wherever the mask is written (BuildMask) or its block replaced.
+  MaskIndex mask_index_;
 
   // Scratch, carved from pass_block_ at Init so StartForward and Remove never allocate.
   OwnedBlock pass_block_;

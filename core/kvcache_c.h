@@ -69,9 +69,13 @@ kvc_tensor kvc_make_tensor(void* data, kvc_dtype dtype, int dims, const int64_t*
 
 /* What kvc_get returns: K [k_head_dim, kv_heads, L], V [v_head_dim, kv_heads, L] (or
  * [L, v_head_dim, kv_heads] with permuted_v), mask [L, B] of 0 / -inf (data NULL: no mask). An
- * encoder returns its K / V as last Put, with data NULL while kvc_encoder_cached is 0. */
+ * encoder returns its K / V as last Put, with data NULL while kvc_encoder_cached is 0.
+ * mask_index: the cache's memo of the mask's visible cells (kv::History::mask_index), through
+ * which kvc_attend reads the mask once per forward pass instead of once per layer; NULL in a
+ * history built by hand, and set it to NULL when the mask is not the cache's. */
 typedef struct kvc_history {
   kvc_tensor k, v, mask;
+  void* mask_index;
 } kvc_history;
 
 /* The message of the last failing call on this thread ("" if none yet). Never NULL. */

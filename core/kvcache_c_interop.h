@@ -40,11 +40,11 @@ inline kvc_tensor ViewToC(const TensorView& v) {
 }
 
 inline History HistoryFromC(const kvc_history& h) {
-  return {ViewFromC(h.k), ViewFromC(h.v), ViewFromC(h.mask)};
+  return {ViewFromC(h.k), ViewFromC(h.v), ViewFromC(h.mask), static_cast<MaskIndex*>(h.mask_index)};
 }
 
 inline kvc_history HistoryToC(const History& h) {
-  return {ViewToC(h.k), ViewToC(h.v), ViewToC(h.mask)};
+  return {ViewToC(h.k), ViewToC(h.v), ViewToC(h.mask), h.mask_index};
 }
 
 // The C++ object behind a C handle, which keeps owning it (valid until the handle is freed):

@@ -36,9 +36,16 @@ struct CacheConfig {
   WindowConvention window_convention = WindowConvention::kOllama;
 };
 
+class MaskIndex;  // core/mask_index.h
+
 // What Get returns. mask.data == nullptr: no mask.
 struct History {
   TensorView k, v, mask;
+  // Beyond Ollama: the cache's memo of `mask`'s visible cells (core/mask_index.h), or null. Attend
+  // fills it on the first call of a forward pass and reuses it in every later layer instead of
+  // reading the whole mask again. Only the cache writes it; a History built by hand leaves it null,
+  // and one whose mask is not the cache's (or was changed after Get) must set it to null.
+  MaskIndex* mask_index = nullptr;
 };
 
 // Re-rotates keys after a context shift. `key` holds the K rows of n cells of layer `layer`,

@@ -1,0 +1,274 @@
+// MaskIndex (core/mask_index.h): the memo of a mask's row bitmaps that lets the layers of a forward
+// pass read the mask once. Its own contract (computed once, reused, rows of the mask, refused
+// otherwise, recomputed after Invalidate, one filler among threads), then the causal cache's use
+// of it through History and Attend: the same output as without it, the bits computed once per
+// pass, and never stale when the next pass writes a mask of the same shape at the same address.
+#include "core/mask_index.h"
+
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "core/attend.h"
+#include "core/cache.h"
+#include "core/thread_pool.h"
+#include "gtest/gtest.h"
+#include "kernels/attention.h"
+
+namespace kv {
+namespace {
+
+constexpr float kInf = std::numeric_limits<float>::infinity();
+
+// An f32 mask [L, B]: row b hides cells j with (j + b) % 3 == 0 and adds a bias at every 7th.
+std::vector<float> PatternMask(int L, int B, int salt) {
+  std::vector<float> m(static_cast<size_t>(L) * B);
+  for (int b = 0; b < B; ++b) {
+    for (int j = 0; j < L; ++j) {
+      float x = (j + b + salt) % 3 == 0 ? -kInf : 0.0f;
+      if (x == 0.0f && j % 7 == salt % 7) x = -0.5f;
+      m[static_cast<size_t>(b) * L + j] = x;
+    }
+  }
+  return m;
+}
+
+std::vector<uint64_t> ExpectedBits(const TensorView& mask) {
+  std::vector<uint64_t> bits(MaskIndex::WordsFor(mask.ne[0], mask.ne[1]));
+  kernels::MaskBits(mask, kernels::ParallelForFn{}, bits.data());
+  return bits;
+}
+
+std::vector<uint64_t> Copy(const uint64_t* p, size_t n) { return std::vector<uint64_t>(p, p + n); }
+
+TEST(MaskIndex, ComputesOnceAndReuses) {
+  constexpr int L = 200, B = 9;
+  std::vector<float> m = PatternMask(L, B, 1);
+  const TensorView mv = MakeView(m.data(), DType::kF32, {L, B});
+  std::vector<uint64_t> words(MaskIndex::WordsFor(L, B));
+  MaskIndex index;
+  EXPECT_EQ(index.BitsFor(mv, {}), nullptr) << "no memory attached";
+  index.Attach(words.data(), words.size());
+  const uint64_t* first = index.BitsFor(mv, {});
+  ASSERT_EQ(first, words.data());
+  EXPECT_EQ(Copy(first, words.size()), ExpectedBits(mv));
+  EXPECT_EQ(index.fills(), 1u);
+  // Every later call with this mask gets the same bits without computing them again: even when
+  // the mask's memory changes behind the index (only Invalidate says so).
+  m[5] = -kInf;
+  EXPECT_EQ(index.BitsFor(mv, {}), words.data());
+  EXPECT_EQ(index.fills(), 1u);
+  // After Invalidate they describe the mask as it is now.
+  index.Invalidate();
+  ASSERT_EQ(index.BitsFor(mv, {}), words.data());
+  EXPECT_EQ(index.fills(), 2u);
+  EXPECT_EQ(Copy(words.data(), words.size()), ExpectedBits(mv));
+}
+
+TEST(MaskIndex, RowsOfTheMaskGetTheirRowsAndOtherMasksNothing) {
+  constexpr int L = 130, B = 12;
+  std::vector<float> m = PatternMask(L, B, 2);
+  const TensorView mv = MakeView(m.data(), DType::kF32, {L, B});
+  std::vector<uint64_t> words(MaskIndex::WordsFor(L, B));
+  MaskIndex index;
+  index.Attach(words.data(), words.size());
+  ASSERT_NE(index.BitsFor(mv, {}), nullptr);
+  const size_t row_words = static_cast<size_t>(kernels::MaskBitsRowWords(L));
+  // Rows [4, 9): the bits of those rows.
+  TensorView rows = mv;
+  rows.data = m.data() + 4 * L;
+  rows.ne[1] = 5;
+  EXPECT_EQ(index.BitsFor(rows, {}), words.data() + 4 * row_words);
+  // The last row, and rows reaching past the end.
+  rows.data = m.data() + (B - 1) * L;
+  rows.ne[1] = 1;
+  EXPECT_EQ(index.BitsFor(rows, {}), words.data() + (B - 1) * row_words);
+  rows.ne[1] = 2;
+  EXPECT_EQ(index.BitsFor(rows, {}), nullptr);
+  // Not a row boundary, another length, another dtype, another buffer: nothing.
+  TensorView off = mv;
+  off.data = m.data() + 1;
+  off.ne[1] = 1;
+  EXPECT_EQ(index.BitsFor(off, {}), nullptr);
+  TensorView shorter = MakeView(m.data(), DType::kF32, {L - 1, B});
+  EXPECT_EQ(index.BitsFor(shorter, {}), nullptr);
+  TensorView as_f16 = mv;
+  as_f16.dtype = DType::kF16;
+  as_f16.nb[0] = 2;
+  EXPECT_EQ(index.BitsFor(as_f16, {}), nullptr);
+  std::vector<float> other = m;
+  EXPECT_EQ(index.BitsFor(MakeView(other.data(), DType::kF32, {L, B}), {}), nullptr);
+  EXPECT_EQ(index.fills(), 1u);
+  // Too little memory for the mask: nothing, nothing computed.
+  MaskIndex small;
+  small.Attach(words.data(), words.size() - 1);
+  EXPECT_EQ(small.BitsFor(mv, {}), nullptr);
+  EXPECT_EQ(small.fills(), 0u);
+  // Attach forgets the bits: rows [4, 9) alone are then computed anew, at the start of the words.
+  rows.data = m.data() + 4 * L;
+  rows.ne[1] = 5;
+  index.Attach(words.data(), words.size());
+  EXPECT_EQ(index.BitsFor(rows, {}), words.data());
+  EXPECT_EQ(index.fills(), 2u);
+  EXPECT_EQ(Copy(words.data(), 5 * row_words), ExpectedBits(rows));
+}
+
+TEST(MaskIndex, ThreadsAskingAtOnceComputeOnce) {
+  constexpr int L = 4096, B = 64, kThreads = 4;
+  std::vector<float> m = PatternMask(L, B, 3);
+  const TensorView mv = MakeView(m.data(), DType::kF32, {L, B});
+  const std::vector<uint64_t> want = ExpectedBits(mv);
+  std::vector<uint64_t> words(want.size());
+  for (int round = 0; round < 20; ++round) {
+    MaskIndex index;
+    index.Attach(words.data(), words.size());
+    std::atomic<int> go{0}, got_bits{0}, bad{0};
+    std::vector<std::thread> threads;
+    for (int t = 0; t < kThreads; ++t) {
+      threads.emplace_back([&] {
+        go.fetch_add(1);
+        while (go.load() < kThreads) {
+        }
+        // A caller that gets bits may read them at once: they are complete.
+        if (const uint64_t* bits = index.BitsFor(mv, {})) {
+          got_bits.fetch_add(1);
+          if (std::memcmp(bits, want.data(), want.size() * 8) != 0) bad.fetch_add(1);
+        }
+      });
+    }
+    for (std::thread& t : threads) t.join();
+    EXPECT_EQ(index.fills(), 1u);
+    EXPECT_GE(got_bits.load(), 1);
+    EXPECT_EQ(bad.load(), 0);
+  }
+}
+
+// A causal cache's History over one layer of random K/V.
+struct OneLayerCache {
+  static constexpr int kD = 64, kHkv = 2, kHq = 4;
+  std::unique_ptr<CausalCache> cache;
+  std::mt19937 rng{5};
+
+  explicit OneLayerCache(int padding, int capacity, int max_batch) {
+    cache = NewCausalCache();
+    CacheConfig cc;
+    cc.padding = padding;
+    EXPECT_TRUE(cache->SetConfig(cc).ok());
+    EXPECT_TRUE(cache->Init(DType::kF16, 4, capacity, max_batch).ok());
+  }
+  // StartForward with these tokens and Put random K/V in `layers` layers.
+  void Forward(const std::vector<int32_t>& pos, const std::vector<int32_t>& seq, int layers) {
+    Batch batch;
+    batch.positions = pos;
+    batch.sequences = seq;
+    ASSERT_TRUE(cache->StartForward(batch, false).ok());
+    const int n = static_cast<int>(pos.size());
+    std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+    std::vector<float> k(static_cast<size_t>(kD) * kHkv * n), v(k.size());
+    for (int layer = 0; layer < layers; ++layer) {
+      for (float& x : k) x = u(rng);
+      for (float& x : v) x = u(rng);
+      cache->SetLayer(layer);
+      ASSERT_TRUE(cache
+                      ->Put(MakeView(k.data(), DType::kF32, {kD, kHkv, n}),
+                            MakeView(v.data(), DType::kF32, {kD, kHkv, n}))
+                      .ok());
+    }
+  }
+  std::vector<float> Queries(int n) {
+    std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+    std::vector<float> q(static_cast<size_t>(kD) * n * kHq);
+    for (float& x : q) x = u(rng);
+    return q;
+  }
+  // Attend over `h` (its mask index as given), on `pool` (null: the calling thread).
+  static std::vector<float> Out(const std::vector<float>& q, const History& h, ThreadPool* pool) {
+    const int n = static_cast<int>(q.size() / (kD * kHq));
+    std::vector<float> out(q.size(), 777.0f);
+    TensorView ov = MakeView(out.data(), DType::kF32, {kD, n, kHq});
+    const Status s = Attend(MakeView(const_cast<float*>(q.data()), DType::kF32, {kD, n, kHq}), h,
+                            AttentionParams{}, &ov, pool);
+    EXPECT_TRUE(s.ok()) << s.message();
+    return out;
+  }
+};
+
+// Every layer of a pass gets the same output with the cache's index as without it, and the bits
+// are computed once per pass, by the first layer.
+TEST(MaskIndex, CacheLayersComputeOncePerPassAndMatch) {
+  ThreadPool pool(2);
+  constexpr int kLayers = 4;
+  OneLayerCache c(/*padding=*/1, /*capacity=*/512, /*max_batch=*/64);
+  // A prompt of 40 tokens in two sequences, then three decode steps of both.
+  std::vector<int32_t> pos, seq;
+  for (int i = 0; i < 40; ++i) {
+    pos.push_back(i / 2);
+    seq.push_back(i % 2);
+  }
+  for (int pass = 0; pass < 4; ++pass) {
+    SCOPED_TRACE("pass " + std::to_string(pass));
+    c.Forward(pos, seq, kLayers);
+    const uint64_t fills_before = c.cache->Get().mask_index->fills();
+    for (int layer = 0; layer < kLayers; ++layer) {
+      c.cache->SetLayer(layer);
+      const History h = c.cache->Get();
+      ASSERT_NE(h.mask_index, nullptr);
+      History plain = h;
+      plain.mask_index = nullptr;
+      const std::vector<float> q = c.Queries(static_cast<int>(pos.size()));
+      for (ThreadPool* p : {static_cast<ThreadPool*>(nullptr), &pool}) {
+        EXPECT_EQ(OneLayerCache::Out(q, h, p), OneLayerCache::Out(q, plain, p))
+            << "layer " << layer;
+      }
+    }
+    EXPECT_EQ(c.cache->Get().mask_index->fills(), fills_before + 1);
+    const int32_t next0 = pos.back() + 1;
+    pos = {next0, next0};
+    seq = {0, 1};
+  }
+}
+
+// The next pass writes its mask where the last one was, often with the same shape: a decode step
+// inside the padding (padding 64: the history stays 64 cells), and SetCausal, which rewrites the
+// mask of the pass in place. The index must not hand out the old bits: a token would not see its
+// own cell, or the causal exemption would not show.
+TEST(MaskIndex, CacheNeverHandsOutTheLastMasksBits) {
+  OneLayerCache c(/*padding=*/64, /*capacity=*/256, /*max_batch=*/8);
+  c.Forward({0, 1, 2}, {0, 0, 0}, 1);
+  const History first = c.cache->Get();
+  ASSERT_EQ(first.mask.ne[0], 64);
+  (void)OneLayerCache::Out(c.Queries(3), first, nullptr);  // computes the bits of pass 1
+  for (int32_t p = 3; p < 6; ++p) {
+    SCOPED_TRACE("decode position " + std::to_string(p));
+    c.Forward({p}, {0}, 1);
+    const History h = c.cache->Get();
+    ASSERT_EQ(h.mask.ne[0], 64);
+    ASSERT_EQ(h.mask_index, first.mask_index);
+    History plain = h;
+    plain.mask_index = nullptr;
+    const std::vector<float> q = c.Queries(1);
+    EXPECT_EQ(OneLayerCache::Out(q, h, nullptr), OneLayerCache::Out(q, plain, nullptr));
+  }
+  // SetCausal: the first two tokens of a new pass see each other both ways.
+  c.Forward({6, 7, 8}, {0, 0, 0}, 1);
+  const std::vector<float> q = c.Queries(3);
+  History h = c.cache->Get();
+  (void)OneLayerCache::Out(q, h, nullptr);
+  const int32_t except[] = {0, 1};
+  c.cache->SetCausal(except);
+  h = c.cache->Get();
+  History plain = h;
+  plain.mask_index = nullptr;
+  const std::vector<float> with_index = OneLayerCache::Out(q, h, nullptr);
+  EXPECT_EQ(with_index, OneLayerCache::Out(q, plain, nullptr));
+}
+
+}  // namespace
+}  // namespace kv
