@@ -26,7 +26,9 @@
 #include "core/cache.h"
 #include "core/kvcache_c.h"
 #include "core/kvcache_c_interop.h"
+#include "core/mask_index.h"
 #include "fuzz_common.h"
+#include "kernels/attention.h"
 #include "kernels/convert.h"
 #include "layouts/quant.h"
 #include "reference_model.h"
@@ -117,6 +119,19 @@ ModelHistory Observe(const kv::History& h) {
         }
         o.visible.push_back(static_cast<uint8_t>(bits));
       }
+    }
+    // The cache's memo of its mask (History::mask_index) must describe the mask as it is now: it
+    // is filled here after every call, so a call that rewrote the mask without forgetting the
+    // memo leaves stale bits for the next check. Its memory is sized for every batch and history
+    // the cache can hold, so it always has the bits.
+    if (h.mask_index != nullptr) {
+      const uint64_t* held = h.mask_index->BitsFor(h.mask, {});
+      FUZZ_CHECK(held != nullptr, "mask index: no bits for a [%lld x %lld] mask",
+                 (long long)o.mask_rows, (long long)o.mask_cols);
+      std::vector<uint64_t> now(kv::MaskIndex::WordsFor(h.mask.ne[0], h.mask.ne[1]));
+      kv::kernels::MaskBits(h.mask, {}, now.data());
+      FUZZ_CHECK(std::memcmp(held, now.data(), now.size() * sizeof(uint64_t)) == 0,
+                 "mask index: its bits are not the mask's");
     }
   }
   return o;

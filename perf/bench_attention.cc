@@ -714,36 +714,44 @@ void BM_DecodeManyRowsThreads(benchmark::State& state) {
 
 // A call given the mask's row bitmaps (AttentionKernelParams::mask_bits, what a cache's MaskIndex
 // hands every layer after the first of a pass) against the same call reading its mask, alternating,
-// on kvperf's default shape: 64 sequences share a 1024-token system prompt (CopyPrefix), 63 of
-// them hold a 512-token prompt of their own, and the batch is
+// on kvperf's shapes. With `--sequences 64 --system 1024 --context 512`, 64 sequences share a
+// 1024-token system prompt (CopyPrefix), 63 of them hold a 512-token prompt of their own, and the
+// batch is
 // - shape 0: the last sequence's 512-token prompt (33792 cells: each row sees ~1500 of them,
 //   prefill's tiles skip the rest, and the mask, 66 MiB in f32, is what a call reads most), or
 // - shape 1: one decode token of every sequence, after all 64 prompts (64 rows over 33856 cells,
-//   the mask 8.3 MiB).
+//   the mask 8.3 MiB);
+// - shape 2, kvperf's default: 4 sequences share the 1024 tokens, 3 hold a 1024-token prompt of
+//   their own, and the batch is the second half of the last one's (512 rows over 5120 cells, the
+//   mask 10 MiB).
 // given_vs_read > 1 where the bits are faster (best calls, and means). Args: q8 (0: f16, 1: q8_0),
 // threads, shape.
 void BM_MaskBitsGiven(benchmark::State& state) {
   const kv::DType dtype = state.range(0) != 0 ? kv::DType::kQ8_0 : kv::DType::kF16;
   const int threads = static_cast<int>(state.range(1));
-  const bool decode = state.range(2) != 0;
-  constexpr int kSeqs = 64, kSystem = 1024, kOwn = 512;
+  const int shape = static_cast<int>(state.range(2));
+  const bool decode = shape == 1;
+  const int seqs = shape == 2 ? 4 : 64, own = shape == 2 ? 1024 : 512;
+  constexpr int kSystem = 1024, kBatch = 512;
   CacheFiller f(17);
-  bool ok = f.cache->Init(dtype, kSeqs, kSystem + kSeqs * kOwn + kSeqs, 512).ok();
+  bool ok = f.cache->Init(dtype, seqs, kSystem + seqs * own + seqs, 512).ok();
   ok = ok && f.Prompt(0, 0, kSystem);
-  for (int s = 1; ok && s < kSeqs; ++s) ok = f.cache->CopyPrefix(0, s, kSystem).ok();
-  for (int s = 0; ok && s < kSeqs - 1; ++s) ok = f.Prompt(s, kSystem, kOwn);
-  int rows = kOwn;
+  for (int s = 1; ok && s < seqs; ++s) ok = f.cache->CopyPrefix(0, s, kSystem).ok();
+  for (int s = 0; ok && s < seqs - 1; ++s) ok = f.Prompt(s, kSystem, own);
+  int rows = kBatch;
   if (decode) {
-    ok = ok && f.Prompt(kSeqs - 1, kSystem, kOwn);
-    rows = kSeqs;
-    for (int s = 0; s < kSeqs; ++s) {
-      f.pos[s] = kSystem + kOwn;
+    ok = ok && f.Prompt(seqs - 1, kSystem, own);
+    rows = seqs;
+    for (int s = 0; s < seqs; ++s) {
+      f.pos[s] = kSystem + own;
       f.seq[s] = s;
     }
   } else {
-    for (int i = 0; i < kOwn; ++i) {
-      f.pos[i] = kSystem + i;
-      f.seq[i] = kSeqs - 1;
+    // The last sequence's prompt up to its final batch, then that batch.
+    ok = ok && (own == kBatch || f.Prompt(seqs - 1, kSystem, own - kBatch));
+    for (int i = 0; i < kBatch; ++i) {
+      f.pos[i] = kSystem + own - kBatch + i;
+      f.seq[i] = seqs - 1;
     }
   }
   ok = ok && f.Put(rows);
@@ -761,8 +769,8 @@ void BM_MaskBitsGiven(benchmark::State& state) {
                                      kp.mask_bits = c == 0 ? bits.data() : nullptr;
                                    });
   state.SetLabel(std::string(dtype == kv::DType::kF16 ? "f16 " : "q8_0 ") +
-                 (decode ? "64 sequences decode" : "a 512-token prompt of 64 sequences") + " L " +
-                 std::to_string(L));
+                 (decode ? "decode, " : "a 512-token prompt batch, ") + std::to_string(seqs) +
+                 " sequences, L " + std::to_string(L));
 }
 
 // Args: threads, head_dim (128: the shape; 64: kvperf's default model).
@@ -913,7 +921,7 @@ BENCHMARK(BM_DecodeManyRowsThreads)
     ->MinTime(1.0)
     ->UseRealTime();
 BENCHMARK(BM_MaskBitsGiven)
-    ->ArgsProduct({{0, 1}, {1, 2}, {0, 1}})
+    ->ArgsProduct({{0, 1}, {1, 2}, {0, 1, 2}})
     ->Unit(benchmark::kMicrosecond)
     ->MinTime(1.0)
     ->UseRealTime();
