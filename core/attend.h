@@ -2,10 +2,12 @@
 //
 // Threading: Attend is reentrant. Any number of threads may call it at once, each with its own q
 // and out; the History is only read and may be shared (it stays valid only while its cache is not
-// changed: see core/cache.h). Scratch memory is per thread. A ThreadPool may be passed from several
-// threads at once: its Run calls are serialized (safe, but one job at a time; give each decoding
-// thread its own pool to run them side by side). A caller's ParallelFor must be safe to call from
-// every thread that passes it.
+// changed: see core/cache.h). The one write is to the cache's mask index (History::mask_index,
+// core/mask_index.h), which the first call of a pass claims atomically and fills; a call that
+// arrives while it is being filled reads the mask itself. Scratch memory is per thread. A
+// ThreadPool may be passed from several threads at once: its Run calls are serialized (safe, but
+// one job at a time; give each decoding thread its own pool to run them side by side). A caller's
+// ParallelFor must be safe to call from every thread that passes it.
 //
 // Memory: the kernels' per-thread scratch grows to the largest shape a thread has served and is
 // kept, so steady-state decode allocates nothing. When it cannot grow, Attend returns kOutOfMemory

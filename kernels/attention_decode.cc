@@ -1692,12 +1692,28 @@ void DecodeHeadChunk(const Ctx& c, int64_t h, int64_t chunk) {
   const int64_t rs = attn::PartialStride(c);
   float* part = c.partials + (h * c.n_chunks + chunk) * c.B * c.G * rs;
   const float neg_inf = -std::numeric_limits<float>::infinity();
+  // Every row's state starts as m = -inf, l = 0: the merge skips a chunk where the row saw
+  // nothing. Its acc must be 0 only once a step runs it (the first step rescales it by 0), so a
+  // row's acc is zeroed before its first step here; a row without steps in this chunk keeps what
+  // the buffer held, which the merge never reads. In batched decode each row has cells in a few of
+  // the chunks (the shared prompt's, its own): zeroing every row in every chunk wrote (and the
+  // merge read) B * G * (Dv + 2) floats per chunk and head, ~2% of a 2-thread call of 64 rows.
+  static_assert(kDecodeMaxRows <= 64, "a row's bit in `zeroed` below");
   for (int64_t r = 0; r < c.B * c.G; ++r) {
-    float* row = part + r * rs;
-    for (int64_t i = 0; i < c.Dvp; i += kN) hn::Store(hn::Zero(df), df, row + i);
-    row[c.Dvp] = neg_inf;
-    row[c.Dvp + 1] = 0.0f;
+    part[r * rs + c.Dvp] = neg_inf;
+    part[r * rs + c.Dvp + 1] = 0.0f;
   }
+  uint64_t zeroed = 0;  // bit b: row b's acc (all G heads) is zero or holds this chunk's sums
+  const auto zero_rows = [&](int64_t b, int64_t n_rows) {
+    const uint64_t want = (n_rows >= 64 ? ~uint64_t{0} : (uint64_t{1} << n_rows) - 1) << b;
+    for (uint64_t fresh = want & ~zeroed; fresh != 0; fresh &= fresh - 1) {
+      float* rows = part + std::countr_zero(fresh) * c.G * rs;
+      for (int64_t g = 0; g < c.G; ++g) {
+        for (int64_t i = 0; i < c.Dvp; i += kN) hn::Store(hn::Zero(df), df, rows + g * rs + i);
+      }
+    }
+    zeroed |= want;
+  };
   // The head's query rows: prepared once per call by RunDecodeTyped when several chunks share the
   // head, else here.
   const HeadQueryLayout lay = HeadQueries<T>(c);
@@ -1717,6 +1733,7 @@ void DecodeHeadChunk(const Ctx& c, int64_t h, int64_t chunk) {
     const DecodeStep& st = c.steps[i];
     const int64_t b = st.row;
     float* rows = part + b * c.G * rs;
+    zero_rows(b, st.kind == DecodeStepKind::kCells ? st.n_rows : 1);
     if (st.kind == DecodeStepKind::kCells) {
       const KPrefetch kp = attn::PlanKPrefetch(st.first, st.count, hi, asked);
       DecodeCellsAllHeads<T, kPermV>(c, h, b, st.first, st.count, q_row(b), rows, kp, st.n_rows);
@@ -1768,11 +1785,14 @@ void DecodeMerge(const Ctx& c, int64_t hq0, int64_t hq1) {
         poisoned = poisoned || std::isnan(row_of(ch)[c.Dvp]);
       }
       // Every chunk's (acc, l) rescaled to the common max, summed into chunk 0's row (this merge
-      // owns the partials now). A chunk that saw no visible cell (m = -inf) still holds its
-      // initial acc = 0, l = 0 and is skipped.
+      // owns the partials now). A chunk that saw no visible cell (m = -inf, l = 0) is skipped: its
+      // acc was never written (DecodeHeadChunk), so the first chunk that saw a cell stores
+      // r * w + 0 into chunk 0's row (bit for bit what adding to zeros gave, -0 included), the
+      // others add to it.
       float* acc = row_of(0);
       float l = 0.0f;
       if (!poisoned && m != neg_inf) {
+        bool acc_written = false;
         for (int64_t ch = 0; ch < c.n_chunks; ++ch) {
           const float* r = row_of(ch);
           if (r[c.Dvp] == neg_inf) continue;
@@ -1783,12 +1803,17 @@ void DecodeMerge(const Ctx& c, int64_t hq0, int64_t hq1) {
               for (int64_t i = 0; i < c.Dvp; i += kN)
                 hn::Store(hn::Mul(hn::Load(df, acc + i), hn::Set(df, w)), df, acc + i);
             }
+          } else if (!acc_written) {
+            for (int64_t i = 0; i < c.Dvp; i += kN) {
+              hn::Store(hn::MulAdd(hn::Load(df, r + i), hn::Set(df, w), hn::Zero(df)), df, acc + i);
+            }
           } else {
             for (int64_t i = 0; i < c.Dvp; i += kN) {
               hn::Store(hn::MulAdd(hn::Load(df, r + i), hn::Set(df, w), hn::Load(df, acc + i)), df,
                         acc + i);
             }
           }
+          acc_written = true;
         }
       }
       attn::FinishRow(acc, poisoned ? std::numeric_limits<float>::quiet_NaN() : m, l,

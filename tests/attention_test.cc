@@ -1531,6 +1531,46 @@ TEST_P(AttentionTest, MaskBitsDecideWhatIsVisible) {
   }
 }
 
+// Decode zeroes a row's partial sums in a chunk only when the row has cells there, and the merge
+// never reads the sums of a chunk where the row saw nothing: a call that leaves NaN in every
+// partial (a NaN query) followed by one whose rows see cells in some chunks only (three groups of
+// rows, each seeing 300 cells of its own quarter of 4096 cells, none in the first; 2 threads cut
+// each head into 4 chunks) must give the reference's output, with no NaN from the first call.
+TEST_P(AttentionTest, DecodeReadsNoPartialsOfChunksARowDoesNotSee) {
+  ThreadPool pool2(2);
+  constexpr int kD = 64, kHkv = 2, kG = 4, kHq = kHkv * kG, kL = 4096, kB = 8;
+  std::mt19937 rng(80);
+  for (DType dt : {DType::kF16, DType::kQ8_0}) {
+    SCOPED_TRACE(DTypeName(dt));
+    TestHistory h = MakeHistory(dt, kD, kD, kHkv, kL, false, rng);
+    const kernels::ParallelForFn pf = KernelParallelFor(&pool2);
+    kernels::AttentionKernelParams kp;
+    kp.scale = 0.125f;
+    kp.mode = AttentionMode::kDecode;
+    std::vector<float> out(static_cast<size_t>(kD) * kB * kHq);
+    TensorView ov = MakeView(out.data(), DType::kF32, {kD, kB, kHq});
+    std::vector<float> nan_q(out.size(), std::nanf(""));
+    std::vector<float> zeros(static_cast<size_t>(kL) * kB, 0.0f);
+    ASSERT_TRUE(kernels::Attention(MakeView(nan_q.data(), DType::kF32, {kD, kB, kHq}), h.k, h.v,
+                                   MakeView(zeros.data(), DType::kF32, {kL, kB}), kp, pf, &ov));
+    ASSERT_TRUE(std::isnan(out[0]));
+    std::vector<float> q = RandomQueries(kD, kB, kHq, rng);
+    std::vector<float> mask = RowRangeMask(kL, kB, [&](int b) {
+      const int from = (1 + b % 3) * kL / 4 + 7 * b;
+      return std::pair{from, from + 300};
+    });
+    const TensorView qv = MakeView(q.data(), DType::kF32, {kD, kB, kHq});
+    const TensorView mv = MakeView(mask.data(), DType::kF32, {kL, kB});
+    ASSERT_TRUE(kernels::Attention(qv, h.k, h.v, mv, kp, pf, &ov));
+    std::vector<float> ref(out.size());
+    TensorView rv = MakeView(ref.data(), DType::kF32, {kD, kB, kHq});
+    kernels::AttentionRef(qv, h.k, h.v, mv, kp, &rv);
+    for (size_t i = 0; i < out.size(); ++i) {
+      ASSERT_NEAR(out[i], ref[i], 2e-5) << "i=" << i;  // q8_0: 24-bit query, ~1e-6 here
+    }
+  }
+}
+
 // A fully masked row outputs exact zeros (no NaN) with and without sinks; L == 0 likewise.
 TEST_P(AttentionTest, FullyMaskedRowsAreZero) {
   std::mt19937 rng(7);
