@@ -48,11 +48,22 @@ std::vector<uint64_t> ExpectedBits(const TensorView& mask) {
 
 std::vector<uint64_t> Copy(const uint64_t* p, size_t n) { return std::vector<uint64_t>(p, p + n); }
 
+// A PatternMask [L, B], its view, and memory for its bits.
+struct MaskAndWords {
+  MaskAndWords(int L, int B, int salt)
+      : m(PatternMask(L, B, salt)),
+        mv(MakeView(m.data(), DType::kF32, {L, B})),
+        words(MaskIndex::WordsFor(L, B)) {}
+  std::vector<float> m;
+  TensorView mv;
+  std::vector<uint64_t> words;
+};
+
 TEST(MaskIndex, ComputesOnceAndReuses) {
-  constexpr int L = 200, B = 9;
-  std::vector<float> m = PatternMask(L, B, 1);
-  const TensorView mv = MakeView(m.data(), DType::kF32, {L, B});
-  std::vector<uint64_t> words(MaskIndex::WordsFor(L, B));
+  MaskAndWords t(200, 9, 1);
+  std::vector<float>& m = t.m;
+  const TensorView& mv = t.mv;
+  std::vector<uint64_t>& words = t.words;
   MaskIndex index;
   EXPECT_EQ(index.BitsFor(mv, {}), nullptr) << "no memory attached";
   index.Attach(words.data(), words.size());
@@ -74,9 +85,10 @@ TEST(MaskIndex, ComputesOnceAndReuses) {
 
 TEST(MaskIndex, RowsOfTheMaskGetTheirRowsAndOtherMasksNothing) {
   constexpr int L = 130, B = 12;
-  std::vector<float> m = PatternMask(L, B, 2);
-  const TensorView mv = MakeView(m.data(), DType::kF32, {L, B});
-  std::vector<uint64_t> words(MaskIndex::WordsFor(L, B));
+  MaskAndWords t(L, B, 2);
+  std::vector<float>& m = t.m;
+  const TensorView& mv = t.mv;
+  std::vector<uint64_t>& words = t.words;
   MaskIndex index;
   index.Attach(words.data(), words.size());
   ASSERT_NE(index.BitsFor(mv, {}), nullptr);
