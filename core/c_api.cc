@@ -2,10 +2,14 @@
 // which interface it has: the library is built without RTTI, so a handle cannot ask the object.
 // Nothing here allocates on the decode path: tensors and batches are converted by value, and the
 // per-thread error message is a fixed buffer.
+#include <algorithm>
+#include <cstddef>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <new>
 #include <span>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -13,6 +17,7 @@
 #include "core/cache.h"
 #include "core/kvcache_c.h"
 #include "core/kvcache_c_interop.h"
+#include "core/mask_index.h"
 #include "core/persistence.h"
 #include "core/rope_shift.h"
 #include "core/sequence_cache.h"
@@ -49,6 +54,20 @@ struct kvc_cache {
 struct kvc_seq_cache {
   std::unique_ptr<kv::SequenceCache> cache;
 };
+
+// The index first, so that the handle's address is the index's: kvc_history.mask_index carries it
+// as void* and kv::HistoryFromC casts it back to kv::MaskIndex*.
+// (A raw pointer: std::unique_ptr is not standard-layout.)
+struct kvc_mask_index {
+  kvc_mask_index() = default;
+  kvc_mask_index(const kvc_mask_index&) = delete;
+  kvc_mask_index& operator=(const kvc_mask_index&) = delete;
+  ~kvc_mask_index() { delete[] words; }
+  kv::MaskIndex index;
+  uint64_t* words = nullptr;
+};
+
+static_assert(std::is_standard_layout_v<kvc_mask_index> && offsetof(kvc_mask_index, index) == 0);
 
 struct kvc_thread_pool {
   explicit kvc_thread_pool(int threads) : pool(threads) {}
@@ -458,6 +477,37 @@ kvc_attention_params kvc_attention_params_default(void) {
   p.integer_k = d.integer_k ? 1 : 0;
   return p;
 }
+
+kvc_mask_index* kvc_mask_index_new(int64_t max_cells, int64_t max_rows) {
+  if (max_cells < 1 || max_rows < 1) {
+    Fail(KVC_INVALID_ARGUMENT, "kvc_mask_index_new: max_cells and max_rows must be >= 1");
+    return nullptr;
+  }
+  // At most 2^40 words (8 TiB): the count, and its bytes, then fit in size_t.
+  constexpr int64_t kMaxWords = int64_t{1} << 40;
+  const int64_t row_words = kv::kernels::MaskBitsRowWords(std::min(max_cells, kMaxWords * 64));
+  int64_t words = 0;
+  if (__builtin_mul_overflow(row_words, max_rows, &words) || words > kMaxWords) {
+    Fail(KVC_INVALID_ARGUMENT, "kvc_mask_index_new: max_cells x max_rows is too large");
+    return nullptr;
+  }
+  auto index = std::unique_ptr<kvc_mask_index>(new (std::nothrow) kvc_mask_index);
+  if (index != nullptr) {
+    index->words = new (std::nothrow) uint64_t[static_cast<size_t>(words)];
+  }
+  if (index == nullptr || index->words == nullptr) {
+    Fail(KVC_OUT_OF_MEMORY, "kvc_mask_index_new: out of memory");
+    return nullptr;
+  }
+  index->index.Attach(index->words, static_cast<size_t>(words));
+  return index.release();
+}
+
+void kvc_mask_index_invalidate(kvc_mask_index* index) {
+  if (index != nullptr) index->index.Invalidate();
+}
+
+void kvc_mask_index_free(kvc_mask_index* index) { delete index; }
 
 kvc_thread_pool* kvc_thread_pool_new(int threads) { return new kvc_thread_pool(threads); }
 void kvc_thread_pool_free(kvc_thread_pool* pool) { delete pool; }

@@ -4,6 +4,7 @@
 
 #include "core/attend.h"
 #include "core/cache.h"
+#include "core/mask_index.h"
 #include "core/persistence.h"
 #include "core/rope_shift.h"
 #include "core/sequence_cache.h"

@@ -71,8 +71,9 @@ kvc_tensor kvc_make_tensor(void* data, kvc_dtype dtype, int dims, const int64_t*
  * [L, v_head_dim, kv_heads] with permuted_v), mask [L, B] of 0 / -inf (data NULL: no mask). An
  * encoder returns its K / V as last Put, with data NULL while kvc_encoder_cached is 0.
  * mask_index: the cache's memo of the mask's visible cells (kv::History::mask_index), through
- * which kvc_attend reads the mask once per forward pass instead of once per layer; NULL in a
- * history built by hand, and set it to NULL when the mask is not the cache's. */
+ * which kvc_attend reads the mask once per forward pass instead of once per layer. In a history
+ * built by hand: NULL, or a kvc_mask_index of your own (below); set it to NULL when you replace
+ * the mask of a kvc_get history with another. */
 typedef struct kvc_history {
   kvc_tensor k, v, mask;
   void* mask_index;
@@ -220,6 +221,19 @@ typedef struct kvc_parallel_for {
 
 /* q [head_dim, B, n_heads] f32 over a history (kvc_get's, or views of a kvc_seq_cache's);
  * out [v_head_dim, B, n_heads] f32. params NULL: defaults. pool NULL: the calling thread. */
+/* The mask index of a history built by hand (kv::MaskIndex): with it, the layers of a forward pass
+ * that share your mask read it once, not once per kvc_attend (the caches keep their own). Put it in
+ * kvc_history.mask_index. It holds 2 bits per element of a mask of up to max_cells x max_rows
+ * (the first call that sees a mask computes them; a mask of another shape or address, or a larger
+ * one, is read directly). The index cannot see writes into the mask: call kvc_mask_index_invalidate
+ * after changing the mask's values and before the next kvc_attend, or calls get the old mask's
+ * visible cells. Not concurrently with kvc_attend over a history that holds it. NULL when a size
+ * is below 1, too large, or memory is short (kvc_last_error says which). */
+typedef struct kvc_mask_index kvc_mask_index;
+kvc_mask_index* kvc_mask_index_new(int64_t max_cells, int64_t max_rows);
+void kvc_mask_index_invalidate(kvc_mask_index* index);
+void kvc_mask_index_free(kvc_mask_index* index);
+
 kvc_code kvc_attend(const kvc_tensor* q, const kvc_history* history,
                     const kvc_attention_params* params, kvc_tensor* out, kvc_thread_pool* pool);
 kvc_code kvc_attend_parallel(const kvc_tensor* q, const kvc_history* history,

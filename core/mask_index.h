@@ -11,7 +11,19 @@
 // Use: the owner (a cache) attaches memory for the bits and calls Invalidate whenever it writes
 // its mask or frees its memory; its History carries a pointer to the index (History::mask_index);
 // Attend asks for the bits of the mask it is given. The first Attend after Invalidate computes
-// them, the rest reuse them.
+// them, the rest reuse them. A runtime that builds its History by hand can own one the same way:
+//
+//   std::vector<uint64_t> words(kv::MaskIndex::WordsFor(max_cells, max_rows));
+//   kv::MaskIndex index;
+//   index.Attach(words.data(), words.size());
+//   kv::History h{k, v, mask};
+//   h.mask_index = &index;
+//   for (layer ...) kv::Attend(q[layer], h, params, &out[layer], pool);  // reads `mask` once
+//   ... write new values into the mask ...
+//   index.Invalidate();  // before the next Attend: the index cannot see writes into the mask
+//
+// (C: kvc_mask_index_new, core/kvcache_c.h.) A mask of another address or shape than the one the
+// bits describe, or larger than the memory, is read directly, as without an index.
 //
 // Threads: Attend may run on several threads at once over one History. The first to ask computes
 // the bits; one that asks while they are being computed reads the mask itself this once (it does

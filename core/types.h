@@ -43,8 +43,9 @@ struct History {
   TensorView k, v, mask;
   // Beyond Ollama: the cache's memo of `mask`'s visible cells (core/mask_index.h), or null. Attend
   // fills it on the first call of a forward pass and reuses it in every later layer instead of
-  // reading the whole mask again. Only the cache writes it; a History built by hand leaves it null,
-  // and one whose mask is not the cache's (or was changed after Get) must set it to null.
+  // reading the whole mask again. A History built by hand leaves it null or points it at a
+  // MaskIndex of its own (core/mask_index.h says how); one that takes Get's K and V with a mask
+  // of its own (or changes Get's mask) sets it to null or to its own index.
   MaskIndex* mask_index = nullptr;
 };
 

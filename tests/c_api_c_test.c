@@ -1,7 +1,8 @@
 /* The C API used from C (compiled as C11, -Wall -Wextra -pedantic -Werror): the worked examples of
  * SEMANTICS.md, errors that change nothing, Remove through a C shift callback, attention against a
- * plain computation, the rotating cache, save / load with a damaged stream, the wrapper and the
- * encoder. tests/c_api_test.cc checks that the C calls give what the C++ calls give. */
+ * plain computation, a hand-built history's mask index, the rotating cache, save / load with a
+ * damaged stream, the wrapper and the encoder. tests/c_api_test.cc checks that the C calls give
+ * what the C++ calls give. */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -304,6 +305,62 @@ static void TestAttention(void) {
   kvc_cache_free(c);
 }
 
+/* A history built by hand with a kvc_mask_index of its own: the same output as without one, in
+ * every layer of a pass, and after the mask is rewritten in place and the index invalidated, the
+ * output of the new mask. */
+static void TestHandBuiltMaskIndex(void) {
+  enum { kD = 32, kHeads = 2, kCells = 150, kRows = 3 };
+  static float k[kCells * kHeads * kD], v[kCells * kHeads * kD], mask[kCells * kRows];
+  static float q[kD * kRows * kHeads], plain[kD * kRows * kHeads], indexed[kD * kRows * kHeads];
+  static float first[kD * kRows * kHeads];
+  for (int i = 0; i < kCells * kHeads * kD; ++i) {
+    k[i] = (float)((i * 37) % 17) / 17.0f - 0.5f;
+    v[i] = (float)((i * 11) % 13) / 13.0f - 0.5f;
+  }
+  for (int i = 0; i < kD * kRows * kHeads; ++i) q[i] = (float)((i * 5) % 7) / 7.0f - 0.4f;
+  /* Row b sees the cells j with (j + b) % 3 != 0. */
+  for (int i = 0; i < kCells * kRows; ++i)
+    mask[i] = (i % kCells + i / kCells) % 3 == 0 ? -INFINITY : 0;
+  const int64_t kv_ne[3] = {kD, kHeads, kCells}, mask_ne[2] = {kCells, kRows};
+  const int64_t q_ne[3] = {kD, kRows, kHeads};
+  kvc_history h;
+  h.k = kvc_make_tensor(k, KVC_F32, 3, kv_ne);
+  h.v = kvc_make_tensor(v, KVC_F32, 3, kv_ne);
+  h.mask = kvc_make_tensor(mask, KVC_F32, 2, mask_ne);
+  h.mask_index = NULL;
+  kvc_history hi = h;
+  kvc_mask_index* index = kvc_mask_index_new(kCells, kRows);
+  CHECK(index != NULL);
+  hi.mask_index = index;
+  const kvc_tensor qt = kvc_make_tensor(q, KVC_F32, 3, q_ne);
+  kvc_tensor pt = kvc_make_tensor(plain, KVC_F32, 3, q_ne);
+  kvc_tensor it = kvc_make_tensor(indexed, KVC_F32, 3, q_ne);
+  CHECK_OK(kvc_attend(&qt, &h, NULL, &pt, NULL));
+  memcpy(first, plain, sizeof(first));
+  for (int layer = 0; layer < 3; ++layer) {
+    memset(indexed, 0, sizeof(indexed));
+    CHECK_OK(kvc_attend(&qt, &hi, NULL, &it, NULL));
+    CHECK(memcmp(indexed, plain, sizeof(plain)) == 0);
+  }
+  /* The same buffer, another mask (salt 1): once invalidated, the index describes it. */
+  for (int i = 0; i < kCells * kRows; ++i) {
+    mask[i] = (i % kCells + i / kCells + 1) % 3 == 0 ? -INFINITY : 0;
+  }
+  kvc_mask_index_invalidate(index);
+  CHECK_OK(kvc_attend(&qt, &h, NULL, &pt, NULL));
+  CHECK(memcmp(first, plain, sizeof(plain)) != 0);
+  CHECK_OK(kvc_attend(&qt, &hi, NULL, &it, NULL));
+  CHECK(memcmp(indexed, plain, sizeof(plain)) == 0);
+  kvc_mask_index_free(index);
+
+  CHECK(kvc_mask_index_new(0, 1) == NULL && strlen(kvc_last_error()) > 0);
+  CHECK(kvc_mask_index_new(1, -1) == NULL);
+  CHECK(kvc_mask_index_new(INT64_MAX, INT64_MAX) == NULL);
+  CHECK(kvc_mask_index_new((int64_t)1 << 40, (int64_t)1 << 20) == NULL);
+  kvc_mask_index_invalidate(NULL);
+  kvc_mask_index_free(NULL);
+}
+
 /* The rotating cache keeps its sink and the newest tokens, in temporal order. */
 static void TestRotatingCache(void) {
   kvc_seq_cache* c = kvc_rotating_cache_new(4, 1, KVC_F32);
@@ -497,6 +554,7 @@ int main(void) {
   TestErrorsChangeNothing();
   TestRemoveShiftsThroughTheCallback();
   TestAttention();
+  TestHandBuiltMaskIndex();
   TestRotatingCache();
   TestSaveLoad();
   TestWrapperAndEncoder();

@@ -2,9 +2,11 @@
 // pass read the mask once. Its own contract (computed once, reused, rows of the mask, refused
 // otherwise, recomputed after Invalidate, one filler among threads), then the causal cache's use
 // of it through History and Attend: the same output as without it, the bits computed once per
-// pass, and never stale when the next pass writes a mask of the same shape at the same address.
+// pass, and never stale when the next pass writes a mask of the same shape at the same address;
+// and a History built by hand with an index of its own.
 #include "core/mask_index.h"
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -280,6 +282,48 @@ TEST(MaskIndex, CacheNeverHandsOutTheLastMasksBits) {
   plain.mask_index = nullptr;
   const std::vector<float> with_index = OneLayerCache::Out(q, h, nullptr);
   EXPECT_EQ(with_index, OneLayerCache::Out(q, plain, nullptr));
+}
+
+// A History built by hand (no cache) with a MaskIndex of its own, as core/mask_index.h shows: the
+// layers of a pass compute the bits once and match Attend without the index; after the runtime
+// rewrites its mask in place and calls Invalidate, the next call sees the new mask.
+TEST(MaskIndex, HandBuiltHistoryWithItsOwnIndex) {
+  constexpr int L = 300, B = 6, kD = OneLayerCache::kD, kHkv = OneLayerCache::kHkv;
+  constexpr int kHq = OneLayerCache::kHq;
+  std::mt19937 rng(9);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  const auto random = [&](size_t n) {
+    std::vector<float> x(n);
+    for (float& e : x) e = u(rng);
+    return x;
+  };
+  std::vector<float> k = random(static_cast<size_t>(kD) * kHkv * L), v = random(k.size());
+  MaskAndWords t(L, B, 1);
+  MaskIndex index;
+  index.Attach(t.words.data(), t.words.size());
+  History h{MakeView(k.data(), DType::kF32, {kD, kHkv, L}),
+            MakeView(v.data(), DType::kF32, {kD, kHkv, L}), t.mv};
+  h.mask_index = &index;
+  History plain = h;
+  plain.mask_index = nullptr;
+  ThreadPool pool(2);
+  for (int layer = 0; layer < 3; ++layer) {
+    const std::vector<float> q = random(static_cast<size_t>(kD) * B * kHq);
+    for (ThreadPool* p : {static_cast<ThreadPool*>(nullptr), &pool}) {
+      EXPECT_EQ(OneLayerCache::Out(q, h, p), OneLayerCache::Out(q, plain, p)) << "layer " << layer;
+    }
+  }
+  EXPECT_EQ(index.fills(), 1u);
+  // The same buffer, another mask.
+  const std::vector<float> q = random(static_cast<size_t>(kD) * B * kHq);
+  const std::vector<float> before = OneLayerCache::Out(q, plain, nullptr);
+  const std::vector<float> other = PatternMask(L, B, 2);
+  std::copy(other.begin(), other.end(), t.m.begin());
+  index.Invalidate();
+  const std::vector<float> after = OneLayerCache::Out(q, plain, nullptr);
+  ASSERT_NE(after, before);
+  EXPECT_EQ(OneLayerCache::Out(q, h, nullptr), after);
+  EXPECT_EQ(index.fills(), 2u);
 }
 
 }  // namespace

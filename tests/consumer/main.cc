@@ -2,6 +2,7 @@
 #include <kvcache/kvcache.h>
 
 #include <cstdio>
+#include <limits>
 #include <vector>
 
 int main() {
@@ -21,5 +22,18 @@ int main() {
   const kv::History h = cache->Get();
   std::printf("history cells %lld, mask %lldx%lld\n", static_cast<long long>(h.k.ne[2]),
               static_cast<long long>(h.mask.ne[0]), static_cast<long long>(h.mask.ne[1]));
-  return h.k.ne[2] == 2 ? 0 : 4;
+  if (h.k.ne[2] != 2) return 4;
+  // A history of the cache's K / V with a mask and a mask index of the caller's own: the first
+  // Attend computes the index's bits.
+  // [2 cells, 1 row]: the second cell hidden.
+  std::vector<float> mask = {0.0f, -std::numeric_limits<float>::infinity()};
+  std::vector<uint64_t> words(kv::MaskIndex::WordsFor(2, 1));
+  kv::MaskIndex index;
+  index.Attach(words.data(), words.size());
+  const kv::History own{h.k, h.v, kv::MakeView(mask.data(), kv::DType::kF32, {2, 1}), &index};
+  std::vector<float> q(8 * 2, 0.5f), out(8 * 2, 0.0f);
+  kv::TensorView ov = kv::MakeView(out.data(), kv::DType::kF32, {8, 1, 2});
+  const kv::TensorView qv = kv::MakeView(q.data(), kv::DType::kF32, {8, 1, 2});
+  if (!kv::Attend(qv, own, kv::AttentionParams{}, &ov).ok()) return 5;
+  return index.fills() == 1 && out[0] == 2.0f ? 0 : 6;
 }
