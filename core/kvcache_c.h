@@ -219,21 +219,23 @@ typedef struct kvc_parallel_for {
   int num_threads;
 } kvc_parallel_for;
 
-/* q [head_dim, B, n_heads] f32 over a history (kvc_get's, or views of a kvc_seq_cache's);
- * out [v_head_dim, B, n_heads] f32. params NULL: defaults. pool NULL: the calling thread. */
 /* The mask index of a history built by hand (kv::MaskIndex): with it, the layers of a forward pass
  * that share your mask read it once, not once per kvc_attend (the caches keep their own). Put it in
- * kvc_history.mask_index. It holds 2 bits per element of a mask of up to max_cells x max_rows
- * (the first call that sees a mask computes them; a mask of another shape or address, or a larger
- * one, is read directly). The index cannot see writes into the mask: call kvc_mask_index_invalidate
- * after changing the mask's values and before the next kvc_attend, or calls get the old mask's
- * visible cells. Not concurrently with kvc_attend over a history that holds it. NULL when a size
- * is below 1, too large, or memory is short (kvc_last_error says which). */
+ * kvc_history.mask_index. It has room for 2 bits per element of a mask of up to max_cells x
+ * max_rows. The first kvc_attend after kvc_mask_index_new or _invalidate computes the bits of its
+ * mask; later calls with that mask (or some of its rows) reuse them, and a call with another mask
+ * (or a larger one) reads it directly. The index cannot see writes into the mask: call
+ * kvc_mask_index_invalidate after changing the mask's values and before the next kvc_attend, or
+ * calls get the old mask's visible cells. _invalidate and _free not concurrently with a kvc_attend
+ * over a history that holds the index. _new returns NULL when a size is below 1 or too large, or
+ * memory is short (kvc_last_error says which). */
 typedef struct kvc_mask_index kvc_mask_index;
 kvc_mask_index* kvc_mask_index_new(int64_t max_cells, int64_t max_rows);
 void kvc_mask_index_invalidate(kvc_mask_index* index);
 void kvc_mask_index_free(kvc_mask_index* index);
 
+/* q [head_dim, B, n_heads] f32 over a history (kvc_get's, or views of a kvc_seq_cache's);
+ * out [v_head_dim, B, n_heads] f32. params NULL: defaults. pool NULL: the calling thread. */
 kvc_code kvc_attend(const kvc_tensor* q, const kvc_history* history,
                     const kvc_attention_params* params, kvc_tensor* out, kvc_thread_pool* pool);
 kvc_code kvc_attend_parallel(const kvc_tensor* q, const kvc_history* history,
