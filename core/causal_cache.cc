@@ -413,7 +413,7 @@ void CausalCacheImpl::BuildMask() {
   rules.window_inclusive = config_.window_convention == WindowConvention::kInclusive;
   rules.chunk = chunk_;
   kernels::BuildMask(cells, tokens, rules, config_.mask_dtype, mask());
-  mask_index_.Invalidate();
+  mask_index_.Invalidate(MaskView());
 }
 
 void CausalCacheImpl::SetCausal(std::span<const int32_t> except) {
@@ -566,17 +566,24 @@ Status CausalCacheImpl::Put(const TensorView& key, const TensorView& value) {
   return Status::Ok();
 }
 
+TensorView CausalCacheImpl::MaskView() const {
+  TensorView m;
+  const int32_t len = hist_max_ - hist_min_ + 1;
+  m.data = mask();
+  m.dtype = config_.mask_dtype;
+  m.ne[0] = len;
+  m.ne[1] = batch_size_;
+  m.nb[0] = BlockBytes(config_.mask_dtype);
+  m.nb[1] = m.nb[0] * static_cast<size_t>(len);
+  m.nb[2] = m.nb[3] = m.nb[1] * static_cast<size_t>(batch_size_);
+  return m;
+}
+
 History CausalCacheImpl::Get() {
   History h;
   if (!initialized_ || !have_batch_) return h;
   const int32_t len = hist_max_ - hist_min_ + 1;
-  h.mask.data = mask();
-  h.mask.dtype = config_.mask_dtype;
-  h.mask.ne[0] = len;
-  h.mask.ne[1] = batch_size_;
-  h.mask.nb[0] = BlockBytes(config_.mask_dtype);
-  h.mask.nb[1] = h.mask.nb[0] * static_cast<size_t>(len);
-  h.mask.nb[2] = h.mask.nb[3] = h.mask.nb[1] * static_cast<size_t>(batch_size_);
+  h.mask = MaskView();
   h.mask_index = &mask_index_;
   if (layer_ >= 0 && layer_ < static_cast<int>(layers_.size()) && layers_[layer_].allocated) {
     const LayerStorage& layer = layers_[layer_];

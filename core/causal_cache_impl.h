@@ -122,6 +122,8 @@ class CausalCacheImpl final : public CausalCache {
   OwnedBlock mask_block_;
   size_t mask_capacity_ = 0;  // f32 elements
   float* mask() const { return static_cast<float*>(mask_block_.data()); }
+  // The pass's whole mask, [L, B] as Get returns it (also what mask_index_ is told it is).
+  TensorView MaskView() const;
   // Allocates a mask block for `elements` f32 elements and their index bits (see mask_block_).
   Status AllocateMaskBlock(size_t elements, int32_t max_batch, OwnedBlock* out) const;
   // Points mask_index_ at the bits' words of mask_block_ (see mask_block_).

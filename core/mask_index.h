@@ -11,7 +11,9 @@
 // Use: the owner (a cache) attaches memory for the bits and calls Invalidate whenever it writes
 // its mask or frees its memory; its History carries a pointer to the index (History::mask_index);
 // Attend asks for the bits of the mask it is given. The first Attend after Invalidate computes
-// them, the rest reuse them. A runtime that builds its History by hand can own one the same way:
+// them, the rest reuse them. The caches name their whole mask when they invalidate, so that a
+// runtime that hands Attend some rows of it at a time still computes the bits once. A runtime that
+// builds its History by hand can own one the same way:
 //
 //   std::vector<uint64_t> words(kv::MaskIndex::WordsFor(max_cells, max_rows));
 //   kv::MaskIndex index;
@@ -62,13 +64,23 @@ class MaskIndex {
   // Attach (null, 0: none; BitsFor then returns null). Forgets the bits.
   void Attach(uint64_t* words, size_t capacity);
   // The mask's contents, or the memory it lies in, changed: forget the bits.
-  void Invalidate() { state_.store(kEmpty, std::memory_order_relaxed); }
+  void Invalidate() {
+    whole_ = TensorView{};
+    state_.store(kEmpty, std::memory_order_relaxed);
+  }
+  // The same, naming the owner's whole mask now: the first BitsFor of any of its rows computes the
+  // bits of all of them (when they fit), so that calls that each take some rows (a runtime that
+  // splits a batch's queries over several Attend calls) share one computation.
+  void Invalidate(const TensorView& whole) {
+    whole_ = whole;
+    state_.store(kEmpty, std::memory_order_relaxed);
+  }
 
   // The bits of `mask` ([L, B], f32 or f16, as Attend validated it) in kernels::MaskBits' layout,
-  // computed now (on pf's threads) when none are held; null when this index cannot give them:
-  // no memory attached or too little, another thread computing them now, or a mask that is not
-  // the one the held bits describe nor some of its rows (a view of rows [r0, r1) of it gets the
-  // bits of those rows).
+  // computed now (on pf's threads) when none are held, for the whole mask when `mask` is some of
+  // its rows; null when this index cannot give them: no memory attached or too little, another
+  // thread computing them now, or a mask that is not the one the held bits describe nor some of
+  // its rows (a view of rows [r0, r1) of it gets the bits of those rows).
   const uint64_t* BitsFor(const TensorView& mask, const kernels::ParallelForFn& pf);
 
   // How many times the bits were computed since construction (for tests and benchmarks).
@@ -81,6 +93,7 @@ class MaskIndex {
 
   std::atomic<int> state_{kEmpty};
   TensorView described_{};  // the mask the held bits describe (kReady)
+  TensorView whole_{};      // the owner's whole mask (Invalidate(whole)), or data null
   uint64_t* words_ = nullptr;
   size_t capacity_ = 0;
   std::atomic<uint64_t> fills_{0};

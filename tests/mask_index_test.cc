@@ -1,9 +1,10 @@
 // MaskIndex (core/mask_index.h): the memo of a mask's row bitmaps that lets the layers of a forward
 // pass read the mask once. Its own contract (computed once, reused, rows of the mask, refused
-// otherwise, recomputed after Invalidate, one filler among threads), then the causal cache's use
-// of it through History and Attend: the same output as without it, the bits computed once per
-// pass, and never stale when the next pass writes a mask of the same shape at the same address;
-// and a History built by hand with an index of its own.
+// otherwise, recomputed after Invalidate, the owner's whole mask computed for any of its rows, one
+// filler among threads), then the causal cache's use of it through History and Attend: the same
+// output as without it, the bits computed once per pass (also when a runtime splits the rows over
+// several calls), and never stale when the next pass writes a mask of the same shape at the same
+// address; and a History built by hand with an index of its own.
 #include "core/mask_index.h"
 
 #include <algorithm>
@@ -16,6 +17,7 @@
 #include <random>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "core/attend.h"
@@ -132,6 +134,46 @@ TEST(MaskIndex, RowsOfTheMaskGetTheirRowsAndOtherMasksNothing) {
   EXPECT_EQ(index.BitsFor(rows, {}), words.data());
   EXPECT_EQ(index.fills(), 2u);
   EXPECT_EQ(Copy(words.data(), 5 * row_words), ExpectedBits(rows));
+}
+
+// Invalidate(whole): the first call for some rows of the owner's mask computes every row, so calls
+// for the other rows find theirs; a whole mask that does not fit, a mask that is not part of it,
+// and Invalidate() without it fall back to the asked mask alone.
+TEST(MaskIndex, InvalidateWithTheWholeMaskComputesAllItsRows) {
+  constexpr int L = 130, B = 12;
+  MaskAndWords t(L, B, 2);
+  const size_t row_words = static_cast<size_t>(kernels::MaskBitsRowWords(L));
+  const auto rows = [&](int r0, int n) {
+    TensorView v = t.mv;
+    v.data = t.m.data() + static_cast<size_t>(r0) * L;
+    v.ne[1] = n;
+    return v;
+  };
+  MaskIndex index;
+  index.Attach(t.words.data(), t.words.size());
+  index.Invalidate(t.mv);
+  EXPECT_EQ(index.BitsFor(rows(4, 5), {}), t.words.data() + 4 * row_words);
+  EXPECT_EQ(Copy(t.words.data(), t.words.size()), ExpectedBits(t.mv));
+  EXPECT_EQ(index.BitsFor(rows(0, 2), {}), t.words.data());
+  EXPECT_EQ(index.BitsFor(rows(9, 3), {}), t.words.data() + 9 * row_words);
+  EXPECT_EQ(index.fills(), 1u);
+  // Without the whole mask named, the asked rows alone, at the start of the words.
+  index.Invalidate();
+  EXPECT_EQ(index.BitsFor(rows(4, 5), {}), t.words.data());
+  EXPECT_EQ(index.BitsFor(rows(0, 2), {}), nullptr);
+  EXPECT_EQ(index.fills(), 2u);
+  // Room for 5 rows only: the asked rows, not the whole mask.
+  MaskIndex small;
+  small.Attach(t.words.data(), 5 * row_words);
+  small.Invalidate(t.mv);
+  EXPECT_EQ(small.BitsFor(rows(4, 5), {}), t.words.data());
+  EXPECT_EQ(Copy(t.words.data(), 5 * row_words), ExpectedBits(rows(4, 5)));
+  // A mask that is not rows of the whole one: that mask.
+  std::vector<float> other = t.m;
+  const TensorView ov = MakeView(other.data(), DType::kF32, {L, B});
+  index.Invalidate(t.mv);
+  EXPECT_EQ(index.BitsFor(ov, {}), t.words.data());
+  EXPECT_EQ(index.BitsFor(rows(0, 1), {}), nullptr);
 }
 
 TEST(MaskIndex, ThreadsAskingAtOnceComputeOnce) {
@@ -282,6 +324,45 @@ TEST(MaskIndex, CacheNeverHandsOutTheLastMasksBits) {
   plain.mask_index = nullptr;
   const std::vector<float> with_index = OneLayerCache::Out(q, h, nullptr);
   EXPECT_EQ(with_index, OneLayerCache::Out(q, plain, nullptr));
+}
+
+// A runtime that splits a batch's rows over several Attend calls (each with a view of its rows of
+// the mask, and their queries): the first call computes the bits of every row of the cache's mask,
+// so the later calls' rows are in the memo too, and every call matches Attend without the index.
+TEST(MaskIndex, CacheRowsSplitOverCallsShareOneComputation) {
+  constexpr int kLayers = 3, kRows = 40, kFirst = 16;
+  OneLayerCache c(/*padding=*/1, /*capacity=*/512, /*max_batch=*/64);
+  std::vector<int32_t> pos, seq;
+  for (int i = 0; i < kRows; ++i) {
+    pos.push_back(i / 2);
+    seq.push_back(i % 2);
+  }
+  c.Forward(pos, seq, kLayers);
+  const auto rows_of = [](const History& h, int r0, int n) {
+    History part = h;
+    part.mask.data = static_cast<char*>(h.mask.data) + static_cast<size_t>(r0) * h.mask.nb[1];
+    part.mask.ne[1] = n;
+    return part;
+  };
+  const uint64_t fills_before = c.cache->Get().mask_index->fills();
+  for (int layer = 0; layer < kLayers; ++layer) {
+    c.cache->SetLayer(layer);
+    const History h = c.cache->Get();
+    for (auto [r0, n] : {std::pair{0, kFirst}, std::pair{kFirst, kRows - kFirst}}) {
+      const History part = rows_of(h, r0, n);
+      History plain = part;
+      plain.mask_index = nullptr;
+      const std::vector<float> q = c.Queries(n);
+      EXPECT_EQ(OneLayerCache::Out(q, part, nullptr), OneLayerCache::Out(q, plain, nullptr))
+          << "layer " << layer << " rows from " << r0;
+      if (layer == 0 && r0 == 0) {
+        // The rows of the second call already have their bits.
+        const History rest = rows_of(h, kFirst, kRows - kFirst);
+        EXPECT_NE(h.mask_index->BitsFor(rest.mask, {}), nullptr);
+      }
+    }
+  }
+  EXPECT_EQ(c.cache->Get().mask_index->fills(), fills_before + 1);
 }
 
 // A History built by hand (no cache) with a MaskIndex of its own, as core/mask_index.h shows: the
