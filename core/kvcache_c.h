@@ -231,7 +231,10 @@ typedef struct kvc_parallel_for {
  * memory is short (kvc_last_error says which). */
 typedef struct kvc_mask_index kvc_mask_index;
 kvc_mask_index* kvc_mask_index_new(int64_t max_cells, int64_t max_rows);
-void kvc_mask_index_invalidate(kvc_mask_index* index);
+/* whole: the whole mask your histories take rows of (NULL: the mask each call is given). With it,
+ * the first kvc_attend for some of its rows computes the bits of all of them, so that calls that
+ * each take some rows of one batch share the computation. */
+void kvc_mask_index_invalidate(kvc_mask_index* index, const kvc_tensor* whole);
 void kvc_mask_index_free(kvc_mask_index* index);
 
 /* q [head_dim, B, n_heads] f32 over a history (kvc_get's, or views of a kvc_seq_cache's);

@@ -346,10 +346,25 @@ static void TestHandBuiltMaskIndex(void) {
   for (int i = 0; i < kCells * kRows; ++i) {
     mask[i] = (i % kCells + i / kCells + 1) % 3 == 0 ? -INFINITY : 0;
   }
-  kvc_mask_index_invalidate(index);
+  kvc_mask_index_invalidate(index, NULL);
   CHECK_OK(kvc_attend(&qt, &h, NULL, &pt, NULL));
   CHECK(memcmp(first, plain, sizeof(plain)) != 0);
   CHECK_OK(kvc_attend(&qt, &hi, NULL, &it, NULL));
+  CHECK(memcmp(indexed, plain, sizeof(plain)) == 0);
+  /* Naming the whole mask, then the rows in two calls (row 0, rows 1-2): the same rows out. */
+  kvc_mask_index_invalidate(index, &h.mask);
+  memset(indexed, 0, sizeof(indexed));
+  for (int part = 0; part < 2; ++part) {
+    const int64_t r0 = part == 0 ? 0 : 1, n = part == 0 ? 1 : kRows - 1;
+    kvc_history rows = hi;
+    rows.mask.data = mask + r0 * kCells;
+    rows.mask.ne[1] = n;
+    kvc_tensor qr = qt, orows = it;
+    qr.data = q + r0 * kD;
+    orows.data = indexed + r0 * kD;
+    qr.ne[1] = orows.ne[1] = n;
+    CHECK_OK(kvc_attend(&qr, &rows, NULL, &orows, NULL));
+  }
   CHECK(memcmp(indexed, plain, sizeof(plain)) == 0);
   kvc_mask_index_free(index);
 
@@ -357,7 +372,7 @@ static void TestHandBuiltMaskIndex(void) {
   CHECK(kvc_mask_index_new(1, -1) == NULL);
   CHECK(kvc_mask_index_new(INT64_MAX, INT64_MAX) == NULL);
   CHECK(kvc_mask_index_new((int64_t)1 << 40, (int64_t)1 << 20) == NULL);
-  kvc_mask_index_invalidate(NULL);
+  kvc_mask_index_invalidate(NULL, NULL);
   kvc_mask_index_free(NULL);
 }
 
