@@ -125,9 +125,18 @@ ModelHistory Observe(const kv::History& h) {
     // memo leaves stale bits for the next check. Its memory is sized for every batch and history
     // the cache can hold, so it always has the bits.
     if (h.mask_index != nullptr) {
+      // Asked first for the last row alone, as by a runtime that splits its batch's rows over
+      // several Attend calls: the cache names its whole mask, so the fill covers every row and
+      // the whole mask's bits are held too (when the memo was already filled, the same holds).
+      kv::TensorView last = h.mask;
+      last.data = static_cast<char*>(h.mask.data) + (o.mask_rows - 1) * h.mask.nb[1];
+      last.ne[1] = 1;
+      const uint64_t* last_bits = h.mask_index->BitsFor(last, {});
       const uint64_t* held = h.mask_index->BitsFor(h.mask, {});
       FUZZ_CHECK(held != nullptr, "mask index: no bits for a [%lld x %lld] mask",
                  (long long)o.mask_rows, (long long)o.mask_cols);
+      FUZZ_CHECK(last_bits == held + (o.mask_rows - 1) * kv::kernels::MaskBitsRowWords(o.mask_cols),
+                 "mask index: the last row's bits are not the whole mask's last row");
       std::vector<uint64_t> now(kv::MaskIndex::WordsFor(h.mask.ne[0], h.mask.ne[1]));
       kv::kernels::MaskBits(h.mask, {}, now.data());
       FUZZ_CHECK(std::memcmp(held, now.data(), now.size() * sizeof(uint64_t)) == 0,
