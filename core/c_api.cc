@@ -505,11 +505,7 @@ kvc_mask_index* kvc_mask_index_new(int64_t max_cells, int64_t max_rows) {
 
 void kvc_mask_index_invalidate(kvc_mask_index* index, const kvc_tensor* whole) {
   if (index == nullptr) return;
-  if (whole != nullptr) {
-    index->index.Invalidate(ViewFromC(*whole));
-  } else {
-    index->index.Invalidate();
-  }
+  index->index.Invalidate(whole != nullptr ? ViewFromC(*whole) : kv::TensorView{});
 }
 
 void kvc_mask_index_free(kvc_mask_index* index) { delete index; }

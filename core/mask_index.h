@@ -64,13 +64,11 @@ class MaskIndex {
   // Attach (null, 0: none; BitsFor then returns null). Forgets the bits.
   void Attach(uint64_t* words, size_t capacity);
   // The mask's contents, or the memory it lies in, changed: forget the bits.
-  void Invalidate() {
-    whole_ = TensorView{};
-    state_.store(kEmpty, std::memory_order_relaxed);
-  }
+  void Invalidate() { Invalidate(TensorView{}); }
   // The same, naming the owner's whole mask now: the first BitsFor of any of its rows computes the
   // bits of all of them (when they fit), so that calls that each take some rows (a runtime that
-  // splits a batch's queries over several Attend calls) share one computation.
+  // splits a batch's queries over several Attend calls) share one computation. A view with data
+  // null names none.
   void Invalidate(const TensorView& whole) {
     whole_ = whole;
     state_.store(kEmpty, std::memory_order_relaxed);

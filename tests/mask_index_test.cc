@@ -52,6 +52,14 @@ std::vector<uint64_t> ExpectedBits(const TensorView& mask) {
 
 std::vector<uint64_t> Copy(const uint64_t* p, size_t n) { return std::vector<uint64_t>(p, p + n); }
 
+// Rows [r0, r0 + n) of `mask`, as a runtime hands them to Attend.
+TensorView MaskRows(const TensorView& mask, int r0, int n) {
+  TensorView v = mask;
+  v.data = static_cast<char*>(mask.data) + static_cast<size_t>(r0) * mask.nb[1];
+  v.ne[1] = n;
+  return v;
+}
+
 // A PatternMask [L, B], its view, and memory for its bits.
 struct MaskAndWords {
   MaskAndWords(int L, int B, int salt)
@@ -143,12 +151,7 @@ TEST(MaskIndex, InvalidateWithTheWholeMaskComputesAllItsRows) {
   constexpr int L = 130, B = 12;
   MaskAndWords t(L, B, 2);
   const size_t row_words = static_cast<size_t>(kernels::MaskBitsRowWords(L));
-  const auto rows = [&](int r0, int n) {
-    TensorView v = t.mv;
-    v.data = t.m.data() + static_cast<size_t>(r0) * L;
-    v.ne[1] = n;
-    return v;
-  };
+  const auto rows = [&](int r0, int n) { return MaskRows(t.mv, r0, n); };
   MaskIndex index;
   index.Attach(t.words.data(), t.words.size());
   index.Invalidate(t.mv);
@@ -338,18 +341,13 @@ TEST(MaskIndex, CacheRowsSplitOverCallsShareOneComputation) {
     seq.push_back(i % 2);
   }
   c.Forward(pos, seq, kLayers);
-  const auto rows_of = [](const History& h, int r0, int n) {
-    History part = h;
-    part.mask.data = static_cast<char*>(h.mask.data) + static_cast<size_t>(r0) * h.mask.nb[1];
-    part.mask.ne[1] = n;
-    return part;
-  };
   const uint64_t fills_before = c.cache->Get().mask_index->fills();
   for (int layer = 0; layer < kLayers; ++layer) {
     c.cache->SetLayer(layer);
     const History h = c.cache->Get();
     for (auto [r0, n] : {std::pair{0, kFirst}, std::pair{kFirst, kRows - kFirst}}) {
-      const History part = rows_of(h, r0, n);
+      History part = h;
+      part.mask = MaskRows(h.mask, r0, n);
       History plain = part;
       plain.mask_index = nullptr;
       const std::vector<float> q = c.Queries(n);
@@ -357,8 +355,7 @@ TEST(MaskIndex, CacheRowsSplitOverCallsShareOneComputation) {
           << "layer " << layer << " rows from " << r0;
       if (layer == 0 && r0 == 0) {
         // The rows of the second call already have their bits.
-        const History rest = rows_of(h, kFirst, kRows - kFirst);
-        EXPECT_NE(h.mask_index->BitsFor(rest.mask, {}), nullptr);
+        EXPECT_NE(h.mask_index->BitsFor(MaskRows(h.mask, kFirst, kRows - kFirst), {}), nullptr);
       }
     }
   }
