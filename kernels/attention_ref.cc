@@ -45,53 +45,91 @@ void AttentionRef(const TensorView& q, const TensorView& k, const TensorView& v,
     }
   }
 
-  std::vector<double> s(static_cast<size_t>(L));
+  // Logits s[g][j] of the group's query heads g for one batch row. Each is the same sum, in the
+  // same order, as a loop over one head would form; computing four heads' sums side by side only
+  // keeps four independent chains of additions in flight (the tests call this reference on every
+  // Highway target, under the sanitizers too, where one chain at a time made it most of their
+  // time).
+  std::vector<double> s(static_cast<size_t>(group * L));
+  std::vector<bool> poisoned(static_cast<size_t>(group));
+  std::vector<double> m(static_cast<size_t>(group));
   std::vector<double> acc(static_cast<size_t>(Dv));
-  for (int64_t hq = 0; hq < Hq; ++hq) {
-    const int64_t h = hq / group;
+  for (int64_t h = 0; h < Hkv; ++h) {
     for (int64_t b = 0; b < B; ++b) {
-      const float* qrow = static_cast<const float*>(RowPtr(q, b, hq));
-      double m = neg_inf;
-      // A NaN or +inf logit (inf or NaN in Q or K) makes the row's output NaN: the softmax has no
-      // finite value there (+inf - +inf), and a NaN row shows it instead of hiding it.
-      bool poisoned = false;
+      const auto qrow = [&](int64_t g) {
+        return static_cast<const float*>(RowPtr(q, b, h * group + g));
+      };
+      for (int64_t g = 0; g < group; ++g) {
+        m[g] = neg_inf;
+        // A NaN or +inf logit (inf or NaN in Q or K) makes the row's output NaN: the softmax has
+        // no finite value there (+inf - +inf), and a NaN row shows it instead of hiding it.
+        poisoned[g] = false;
+      }
       for (int64_t j = 0; j < L; ++j) {
         const float mv = MaskAt(mask, b, j);
         if (std::isinf(mv) && mv < 0) {
-          s[j] = neg_inf;
+          for (int64_t g = 0; g < group; ++g) s[g * L + j] = neg_inf;
           continue;
         }
         const float* krow = &kf[static_cast<size_t>((h * L + j) * D)];
-        double dot = 0;
-        for (int64_t d = 0; d < D; ++d) dot += static_cast<double>(qrow[d]) * krow[d];
-        double logit = params.scale * dot;
-        if (params.softcap != 0) logit = params.softcap * std::tanh(logit / params.softcap);
-        s[j] = logit + mv;
-        poisoned = poisoned || !(s[j] < std::numeric_limits<double>::infinity());
-        m = std::max(m, s[j]);
+        const auto finish = [&](int64_t g, double dot) {
+          double logit = params.scale * dot;
+          if (params.softcap != 0) logit = params.softcap * std::tanh(logit / params.softcap);
+          const double sj = logit + mv;
+          s[g * L + j] = sj;
+          poisoned[g] = poisoned[g] || !(sj < std::numeric_limits<double>::infinity());
+          m[g] = std::max(m[g], sj);
+        };
+        int64_t g = 0;
+        for (; g + 4 <= group; g += 4) {
+          const float *q0 = qrow(g), *q1 = qrow(g + 1), *q2 = qrow(g + 2), *q3 = qrow(g + 3);
+          double d0 = 0, d1 = 0, d2 = 0, d3 = 0;
+          for (int64_t d = 0; d < D; ++d) {
+            const double kd = krow[d];
+            d0 += static_cast<double>(q0[d]) * kd;
+            d1 += static_cast<double>(q1[d]) * kd;
+            d2 += static_cast<double>(q2[d]) * kd;
+            d3 += static_cast<double>(q3[d]) * kd;
+          }
+          finish(g, d0);
+          finish(g + 1, d1);
+          finish(g + 2, d2);
+          finish(g + 3, d3);
+        }
+        for (; g < group; ++g) {
+          const float* q0 = qrow(g);
+          double dot = 0;
+          for (int64_t d = 0; d < D; ++d) dot += static_cast<double>(q0[d]) * krow[d];
+          finish(g, dot);
+        }
       }
-      const bool has_sink = params.sinks != nullptr;
-      if (has_sink) m = std::max(m, static_cast<double>(params.sinks[hq]));
-      float* orow = static_cast<float*>(RowPtr(*out, b, hq));
-      if (poisoned) {
-        for (int64_t d = 0; d < Dv; ++d) orow[d] = std::numeric_limits<float>::quiet_NaN();
-        continue;
+      for (int64_t g = 0; g < group; ++g) {
+        const int64_t hq = h * group + g;
+        const double* sg = &s[static_cast<size_t>(g * L)];
+        double mg = m[g];
+        const bool has_sink = params.sinks != nullptr;
+        if (has_sink) mg = std::max(mg, static_cast<double>(params.sinks[hq]));
+        float* orow = static_cast<float*>(RowPtr(*out, b, hq));
+        if (poisoned[g]) {
+          for (int64_t d = 0; d < Dv; ++d) orow[d] = std::numeric_limits<float>::quiet_NaN();
+          continue;
+        }
+        if (mg == neg_inf) {  // nothing visible and no sink
+          for (int64_t d = 0; d < Dv; ++d) orow[d] = 0.0f;
+          continue;
+        }
+        double denom = has_sink ? std::exp(params.sinks[hq] - mg) : 0.0;
+        for (double& a : acc) a = 0;
+        for (int64_t j = 0; j < L; ++j) {
+          if (sg[j] == neg_inf) continue;
+          const double p = std::exp(sg[j] - mg);
+          denom += p;
+          const float* vrow = &vf[static_cast<size_t>((h * L + j) * Dv)];
+          for (int64_t d = 0; d < Dv; ++d) acc[d] += p * vrow[d];
+        }
+        for (int64_t d = 0; d < Dv; ++d)
+          orow[d] = denom > 0 ? static_cast<float>(acc[d] / denom) : 0.0f;
       }
-      if (m == neg_inf) {  // nothing visible and no sink
-        for (int64_t d = 0; d < Dv; ++d) orow[d] = 0.0f;
-        continue;
-      }
-      double denom = has_sink ? std::exp(params.sinks[hq] - m) : 0.0;
-      for (double& a : acc) a = 0;
-      for (int64_t j = 0; j < L; ++j) {
-        if (s[j] == neg_inf) continue;
-        const double p = std::exp(s[j] - m);
-        denom += p;
-        const float* vrow = &vf[static_cast<size_t>((h * L + j) * Dv)];
-        for (int64_t d = 0; d < Dv; ++d) acc[d] += p * vrow[d];
-      }
-      for (int64_t d = 0; d < Dv; ++d)
-        orow[d] = denom > 0 ? static_cast<float>(acc[d] / denom) : 0.0f;
     }
   }
 }
