@@ -1672,6 +1672,79 @@ TEST(AttendTest, ValidatesAndRuns) {
   for (float x : out) EXPECT_EQ(x, 0.0f);
 }
 
+// The double reference that every kernel test trusts, against the definition written out one
+// query head at a time (the reference forms several heads' sums side by side, for speed): f32 K/V,
+// random masks with hidden cells and whole hidden rows, softcap, sinks, groups of 1-9 heads, and a
+// NaN / inf in K (a poisoned row). Equal within 1e-12 of the output's scale.
+TEST(AttentionRefTest, MatchesTheDefinitionWrittenOut) {
+  std::mt19937 rng(5);
+  std::uniform_real_distribution<float> u(-2.0f, 2.0f);
+  for (int it = 0; it < 60; ++it) {
+    const int D = it % 2 ? 40 : 64, Hkv = 1 + it % 3, G = 1 + it % 9, L = 1 + (it * 37) % 200;
+    const int B = 1 + it % 4, Hq = Hkv * G;
+    std::vector<float> k(static_cast<size_t>(D) * Hkv * L), v(k.size()), sinks(Hq);
+    std::vector<float> q(static_cast<size_t>(D) * B * Hq), mask(static_cast<size_t>(L) * B);
+    for (float& x : k) x = u(rng);
+    for (float& x : v) x = u(rng);
+    for (float& x : q) x = u(rng);
+    for (float& x : sinks) x = u(rng);
+    for (float& x : mask) x = u(rng) < -0.6f ? -kInf : (u(rng) < 0.0f ? u(rng) : 0.0f);
+    if (B > 1) std::fill_n(mask.begin(), L, -kInf);  // row 0 sees nothing
+    if (it % 7 == 3)
+      k[static_cast<size_t>(it) % k.size()] =
+          it % 2 ? std::numeric_limits<float>::quiet_NaN() : kInf;
+    kernels::AttentionKernelParams kp;
+    kp.scale = 0.2f;
+    kp.softcap = it % 4 == 0 ? 5.0f : 0.0f;
+    kp.sinks = it % 3 == 0 ? sinks.data() : nullptr;
+    std::vector<float> out(static_cast<size_t>(D) * B * Hq);
+    TensorView ov = MakeView(out.data(), DType::kF32, {D, B, Hq});
+    kernels::AttentionRef(MakeView(q.data(), DType::kF32, {D, B, Hq}),
+                          MakeView(k.data(), DType::kF32, {D, Hkv, L}),
+                          MakeView(v.data(), DType::kF32, {D, Hkv, L}),
+                          MakeView(mask.data(), DType::kF32, {L, B}), kp, &ov);
+    for (int hq = 0; hq < Hq; ++hq) {
+      const int h = hq / G;
+      for (int b = 0; b < B; ++b) {
+        std::vector<double> s(L, -std::numeric_limits<double>::infinity());
+        double m = kp.sinks ? kp.sinks[hq] : -std::numeric_limits<double>::infinity();
+        bool nan_row = false;
+        for (int j = 0; j < L; ++j) {
+          const float mv = mask[static_cast<size_t>(b) * L + j];
+          if (mv == -kInf) continue;
+          double dot = 0;
+          for (int d = 0; d < D; ++d) {
+            dot += double{q[(static_cast<size_t>(hq) * B + b) * D + d]} *
+                   k[(static_cast<size_t>(j) * Hkv + h) * D + d];
+          }
+          double logit = kp.scale * dot;
+          if (kp.softcap != 0) logit = kp.softcap * std::tanh(logit / kp.softcap);
+          s[j] = logit + mv;
+          nan_row = nan_row || !(s[j] < std::numeric_limits<double>::infinity());
+          m = std::max(m, s[j]);
+        }
+        const float* o = &out[(static_cast<size_t>(hq) * B + b) * D];
+        for (int d = 0; d < D; ++d) {
+          double num = 0, den = kp.sinks ? std::exp(kp.sinks[hq] - m) : 0.0;
+          for (int j = 0; j < L; ++j) {
+            if (s[j] == -std::numeric_limits<double>::infinity()) continue;
+            const double p = std::exp(s[j] - m);
+            den += p;
+            num += p * v[(static_cast<size_t>(j) * Hkv + h) * D + d];
+          }
+          const double want = nan_row ? std::nan("") : (den > 0 ? num / den : 0.0);
+          if (nan_row) {
+            ASSERT_TRUE(std::isnan(o[d])) << "it " << it << " hq " << hq << " b " << b;
+          } else {
+            ASSERT_NEAR(o[d], want, 1e-12 * 2.0 + 1e-7 * std::fabs(want))
+                << "it " << it << " hq " << hq << " b " << b << " d " << d;
+          }
+        }
+      }
+    }
+  }
+}
+
 // K and V of different dtypes (an encoder stores what it is given): Attend widens the one(s) that
 // are not f32 to f32 and runs the f32 kernel, so the result is the reference's over the stored
 // values, within the bound at the top of this file: |V| <= 1, |q|, |k| <= 1, D = 64, scale 1/8
