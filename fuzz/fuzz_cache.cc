@@ -128,10 +128,8 @@ ModelHistory Observe(const kv::History& h) {
       // Asked first for the last row alone, as by a runtime that splits its batch's rows over
       // several Attend calls: the cache names its whole mask, so the fill covers every row and
       // the whole mask's bits are held too (when the memo was already filled, the same holds).
-      kv::TensorView last = h.mask;
-      last.data = static_cast<char*>(h.mask.data) + (o.mask_rows - 1) * h.mask.nb[1];
-      last.ne[1] = 1;
-      const uint64_t* last_bits = h.mask_index->BitsFor(last, {});
+      const uint64_t* last_bits =
+          h.mask_index->BitsFor(kv::RowsView(h.mask, o.mask_rows - 1, o.mask_rows), {});
       const uint64_t* held = h.mask_index->BitsFor(h.mask, {});
       FUZZ_CHECK(held != nullptr, "mask index: no bits for a [%lld x %lld] mask",
                  (long long)o.mask_rows, (long long)o.mask_cols);

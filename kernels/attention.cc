@@ -988,15 +988,6 @@ bool AttentionRows(const TensorView& q, const TensorView& k, const TensorView& v
   return !scratch_failed.load(std::memory_order_relaxed);  // the tasks have all returned
 }
 
-// Rows [r0, r1) of a [.., B, ..] view (q, out: dim 1) or of the mask ([L, B]: dim 1 too).
-TensorView RowsOf(const TensorView& t, int64_t r0, int64_t r1) {
-  TensorView rows = t;
-  if (t.data == nullptr) return rows;  // no mask
-  rows.data = static_cast<char*>(t.data) + static_cast<size_t>(r0) * t.nb[1];
-  rows.ne[1] = r1 - r0;
-  return rows;
-}
-
 }  // namespace
 
 // A call of more than kDecodeMaxRows rows that may decode (kDecode, or kAuto with a mask) runs in
@@ -1023,11 +1014,11 @@ bool Attention(const TensorView& q, const TensorView& k, const TensorView& v,
   AttentionKernelParams prefill_params = params;
   prefill_params.mode = AttentionMode::kPrefill;
   const auto run = [&](int64_t r0, int64_t r1, const AttentionKernelParams& p, bool* deferred) {
-    TensorView rows_out = RowsOf(*out, r0, r1);
+    TensorView rows_out = RowsView(*out, r0, r1);
     AttentionKernelParams rows_params = p;
     if (p.mask_bits != nullptr) rows_params.mask_bits += r0 * MaskBitsRowWords(k.ne[2]);
-    return AttentionRows(RowsOf(q, r0, r1), k, v, RowsOf(mask, r0, r1), rows_params, pf, &rows_out,
-                         deferred);
+    return AttentionRows(RowsView(q, r0, r1), k, v, RowsView(mask, r0, r1), rows_params, pf,
+                         &rows_out, deferred);
   };
   int64_t prefill_from = -1;  // the first row of the groups that chose prefill, not yet run
   for (int64_t g = 0; g < groups; ++g) {

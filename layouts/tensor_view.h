@@ -51,6 +51,16 @@ inline void* RowPtr(const TensorView& v, int64_t i1, int64_t i2 = 0, int64_t i3 
          static_cast<size_t>(i2) * v.nb[2] + static_cast<size_t>(i3) * v.nb[3];
 }
 
+// Rows [r0, r1) along dim 1 of v (a batch's rows of q or out, or of the mask [L, B]): the same
+// strides, data moved to row r0, ne[1] = r1 - r0. A view without data (no mask) stays as it is.
+inline TensorView RowsView(const TensorView& v, int64_t r0, int64_t r1) {
+  TensorView rows = v;
+  if (v.data == nullptr) return rows;
+  rows.data = static_cast<char*>(v.data) + static_cast<size_t>(r0) * v.nb[1];
+  rows.ne[1] = r1 - r0;
+  return rows;
+}
+
 // Element (i0, i1) of a float-typed view (f32, f16 or bf16) as f32; any alignment.
 inline float ElementAsF32(const TensorView& v, int64_t i0, int64_t i1) {
   const char* p = static_cast<const char*>(v.data) + static_cast<size_t>(i1) * v.nb[1] +

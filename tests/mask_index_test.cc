@@ -53,12 +53,7 @@ std::vector<uint64_t> ExpectedBits(const TensorView& mask) {
 std::vector<uint64_t> Copy(const uint64_t* p, size_t n) { return std::vector<uint64_t>(p, p + n); }
 
 // Rows [r0, r0 + n) of `mask`, as a runtime hands them to Attend.
-TensorView MaskRows(const TensorView& mask, int r0, int n) {
-  TensorView v = mask;
-  v.data = static_cast<char*>(mask.data) + static_cast<size_t>(r0) * mask.nb[1];
-  v.ne[1] = n;
-  return v;
-}
+TensorView MaskRows(const TensorView& mask, int r0, int n) { return RowsView(mask, r0, r0 + n); }
 
 // A PatternMask [L, B], its view, and memory for its bits.
 struct MaskAndWords {
@@ -106,16 +101,10 @@ TEST(MaskIndex, RowsOfTheMaskGetTheirRowsAndOtherMasksNothing) {
   ASSERT_NE(index.BitsFor(mv, {}), nullptr);
   const size_t row_words = static_cast<size_t>(kernels::MaskBitsRowWords(L));
   // Rows [4, 9): the bits of those rows.
-  TensorView rows = mv;
-  rows.data = m.data() + 4 * L;
-  rows.ne[1] = 5;
-  EXPECT_EQ(index.BitsFor(rows, {}), words.data() + 4 * row_words);
+  EXPECT_EQ(index.BitsFor(MaskRows(mv, 4, 5), {}), words.data() + 4 * row_words);
   // The last row, and rows reaching past the end.
-  rows.data = m.data() + (B - 1) * L;
-  rows.ne[1] = 1;
-  EXPECT_EQ(index.BitsFor(rows, {}), words.data() + (B - 1) * row_words);
-  rows.ne[1] = 2;
-  EXPECT_EQ(index.BitsFor(rows, {}), nullptr);
+  EXPECT_EQ(index.BitsFor(MaskRows(mv, B - 1, 1), {}), words.data() + (B - 1) * row_words);
+  EXPECT_EQ(index.BitsFor(MaskRows(mv, B - 1, 2), {}), nullptr);
   // Not a row boundary, another length, another dtype, another buffer: nothing.
   TensorView off = mv;
   off.data = m.data() + 1;
@@ -136,8 +125,7 @@ TEST(MaskIndex, RowsOfTheMaskGetTheirRowsAndOtherMasksNothing) {
   EXPECT_EQ(small.BitsFor(mv, {}), nullptr);
   EXPECT_EQ(small.fills(), 0u);
   // Attach forgets the bits: rows [4, 9) alone are then computed anew, at the start of the words.
-  rows.data = m.data() + 4 * L;
-  rows.ne[1] = 5;
+  const TensorView rows = MaskRows(mv, 4, 5);
   index.Attach(words.data(), words.size());
   EXPECT_EQ(index.BitsFor(rows, {}), words.data());
   EXPECT_EQ(index.fills(), 2u);
