@@ -53,6 +53,7 @@ void AttentionRef(const TensorView& q, const TensorView& k, const TensorView& v,
   std::vector<bool> poisoned(static_cast<size_t>(group));
   std::vector<double> m(static_cast<size_t>(group));
   std::vector<double> acc(static_cast<size_t>(Dv));
+  const bool has_sink = params.sinks != nullptr;
   for (int64_t h = 0; h < Hkv; ++h) {
     for (int64_t b = 0; b < B; ++b) {
       const auto qrow = [&](int64_t g) {
@@ -106,7 +107,6 @@ void AttentionRef(const TensorView& q, const TensorView& k, const TensorView& v,
         const int64_t hq = h * group + g;
         const double* sg = &s[static_cast<size_t>(g * L)];
         double mg = m[g];
-        const bool has_sink = params.sinks != nullptr;
         if (has_sink) mg = std::max(mg, static_cast<double>(params.sinks[hq]));
         float* orow = static_cast<float*>(RowPtr(*out, b, hq));
         if (poisoned[g]) {
