@@ -295,6 +295,36 @@ TEST(WrapperCache, CopyPrefixWithRealEncoders) {
   EXPECT_TRUE(w2->CopyPrefix(0, 1, 4).ok());
 }
 
+// UnderlyingCache() returns a Cache*; the seeds reach the encoder's EncoderCached through a type
+// assertion, and a consumer built with RTTI (the default) writes dynamic_cast. Until core was
+// built with RTTI the library's caches carried no type information and that cast crashed.
+TEST(WrapperCache, ChildrenCanBeDowncastWithDynamicCast) {
+#ifndef __cpp_rtti
+  GTEST_SKIP() << "built without RTTI";
+#else
+  std::vector<std::unique_ptr<Cache>> children;
+  children.push_back(NewEncoderCache());
+  children.push_back(NewCausalCache());
+  children.push_back(NewSWACache(4));
+  auto w = NewWrapperCache(std::move(children));
+  ASSERT_NE(w, nullptr);
+  Cache* as_cache = w.get();
+  EXPECT_EQ(dynamic_cast<WrapperCache*>(as_cache), w.get());
+  EXPECT_EQ(dynamic_cast<CausalCache*>(as_cache), nullptr);
+
+  w->SetLayerType(0);
+  auto* encoder = dynamic_cast<EncoderCache*>(w->UnderlyingCache());
+  ASSERT_NE(encoder, nullptr);
+  EXPECT_FALSE(encoder->EncoderCached());
+  EXPECT_EQ(dynamic_cast<CausalCache*>(w->UnderlyingCache()), nullptr);
+  for (int type : {1, 2}) {
+    w->SetLayerType(type);
+    EXPECT_NE(dynamic_cast<CausalCache*>(w->UnderlyingCache()), nullptr) << type;
+    EXPECT_EQ(dynamic_cast<EncoderCache*>(w->UnderlyingCache()), nullptr) << type;
+  }
+#endif
+}
+
 TEST(WrapperCache, SetAllocatorReachesEveryChild) {
   int calls = 0;
   ArenaAllocator counting{[](size_t bytes, void* ctx) {

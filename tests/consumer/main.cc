@@ -35,5 +35,15 @@ int main() {
   kv::TensorView ov = kv::MakeView(out.data(), kv::DType::kF32, {8, 1, 2});
   const kv::TensorView qv = kv::MakeView(q.data(), kv::DType::kF32, {8, 1, 2});
   if (!kv::Attend(qv, own, kv::AttentionParams{}, &ov).ok()) return 5;
-  return index.fills() == 1 && out[0] == 2.0f ? 0 : 6;
+  if (index.fills() != 1 || out[0] != 2.0f) return 6;
+  // A consumer built with RTTI downcasts the wrapper's child, as the seeds' type assertion does.
+  std::vector<std::unique_ptr<kv::Cache>> children;
+  children.push_back(kv::NewEncoderCache());
+  children.push_back(kv::NewCausalCache());
+  std::unique_ptr<kv::WrapperCache> wrapper = kv::NewWrapperCache(std::move(children));
+  wrapper->SetLayerType(0);
+  auto* encoder = dynamic_cast<kv::EncoderCache*>(wrapper->UnderlyingCache());
+  if (encoder == nullptr || encoder->EncoderCached()) return 7;
+  wrapper->SetLayerType(1);
+  return dynamic_cast<kv::CausalCache*>(wrapper->UnderlyingCache()) != nullptr ? 0 : 8;
 }
