@@ -55,7 +55,9 @@ class Cache {
     (void)max_batch;
     return Status::Ok();
   }
-  // Bytes of K/V storage this cache holds now (allocated, not merely reserved by sizing rules).
+  // Bytes this cache holds now (allocated, not merely reserved by sizing rules): its K/V storage
+  // and, for the causal family, its cell table, mask and per-pass scratch (~25 bytes per cell
+  // after Init, before any K/V).
   virtual size_t MemoryBytes() const { return 0; }
   // False when CopyPrefix would return kNotSupported whatever its arguments (a single-sequence
   // encoder cache). Lets a wrapper refuse CopyPrefix before any child changes.

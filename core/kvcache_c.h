@@ -161,7 +161,7 @@ int kvc_encoder_cached(const kvc_cache* cache);
 /* Causal family: storage for layers [0, layers) in one allocation, so no Put allocates. */
 kvc_code kvc_reserve_layers(kvc_cache* cache, int layers, int k_head_dim, int v_head_dim,
                             int kv_heads);
-size_t kvc_memory_bytes(const kvc_cache* cache); /* K/V storage held now */
+size_t kvc_memory_bytes(const kvc_cache* cache); /* bytes held now (Cache::MemoryBytes) */
 
 /* ---- persistence (core/persistence.h has the stream format) --------------------------------- */
 
