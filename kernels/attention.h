@@ -171,6 +171,19 @@ PrefetchLevel ResolvePrefetchLevel(PrefetchLevel requested);
 // BM_DecodeQuantVScaling measures both.
 QuantVScaling ResolveQuantVScaling(QuantVScaling requested);
 
+// The opt-in decode variants that the target Highway dispatches to now implements. Where one is
+// missing, the parameters that ask for it run the default code, bit for bit: the integer K passes
+// (integer_k, and the 24-bit pass that float_k turns off) and integer_v need AVX512_VNNI (Highway's
+// AVX3_DL target); QuantVScaling::kWeights needs AVX-512. Tests use it to skip repeats that would
+// run the same code (the attention tests under the sanitizers ran q8_0 decode 7 times per case on
+// every target, where only AVX3_DL has 7 different paths).
+struct DecodeVariants {
+  bool integer_k = false;       // integer_k, float_k and the 24-bit integer K pass
+  bool integer_v = false;       // integer_v
+  bool scaled_weights = false;  // QuantVScaling::kWeights
+};
+DecodeVariants DispatchedDecodeVariants();
+
 // A parallel-for: run must call task(ctx, i) exactly once for every i in [0, n), from any threads,
 // and return when all calls have returned. Tasks write disjoint memory. run == nullptr: run inline.
 struct ParallelForFn {

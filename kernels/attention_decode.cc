@@ -1889,6 +1889,17 @@ void DecodeImpl(const Ctx& c, const ParallelForFn& pf) {
   attn::WithStorageTypes(c, [&]<DType T, bool kPermV>() { RunDecodeTyped<T, kPermV>(c, pf); });
 }
 
+// The conditions that compile the variants' code above.
+DecodeVariants DecodeVariantsImpl() {
+  DecodeVariants v;
+#if HWY_TARGET == HWY_AVX3_DL
+  v.integer_k = true;
+  v.integer_v = true;
+#endif
+  v.scaled_weights = kHasScaledWeights;
+  return v;
+}
+
 }  // namespace HWY_NAMESPACE
 }  // namespace kv::kernels
 HWY_AFTER_NAMESPACE();
@@ -1896,9 +1907,12 @@ HWY_AFTER_NAMESPACE();
 #if HWY_ONCE
 namespace kv::kernels {
 HWY_EXPORT(DecodeImpl);
+HWY_EXPORT(DecodeVariantsImpl);
 
 void attn::RunDecode(const Ctx& c, const ParallelForFn& pf) {
   HWY_DYNAMIC_DISPATCH(DecodeImpl)(c, pf);
 }
+
+DecodeVariants DispatchedDecodeVariants() { return HWY_DYNAMIC_DISPATCH(DecodeVariantsImpl)(); }
 }  // namespace kv::kernels
 #endif  // HWY_ONCE

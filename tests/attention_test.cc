@@ -361,7 +361,10 @@ constexpr double kIntegerVTol = 16.0 / 65536.0;
 void CheckCase(const Case& c, std::initializer_list<Run> given) {
   // Every decode run over quantized plain V is repeated with the integer V pass and with each
   // way of applying the block scales in the f32 V pass (kAuto is one of them), and over q8_0
-  // with the integer K pass, alone and with integer V.
+  // with the integer K pass, alone and with integer V, and with the f32 K pass: each where the
+  // target implements it (elsewhere the flag runs the default code, bit for bit:
+  // DecodeVariantsFollowTheTarget and the tests of each variant check that).
+  const kernels::DecodeVariants variants = kernels::DispatchedDecodeVariants();
   std::vector<Run> runs(given);
   // kAuto may run decode at any B (from 8 rows on it picks per call or per group of rows: see
   // AutoModeDecodesSequencesAndPrefillsSharedRows and AutoModeGroupsRowsBeyondTheDecodeLimit); its
@@ -372,11 +375,13 @@ void CheckCase(const Case& c, std::initializer_list<Run> given) {
   for (const Run& r : given) {
     const bool decode = may_decode(r.mode);
     if (decode && IsQuantized(c.dt) && !c.perm) {
-      runs.push_back({r.mode, r.pool, true});
-      for (auto scaling : {kernels::QuantVScaling::kCodes, kernels::QuantVScaling::kWeights})
-        runs.push_back({r.mode, r.pool, false, false, false, scaling});
+      if (variants.integer_v) runs.push_back({r.mode, r.pool, true});
+      if (variants.scaled_weights) {
+        for (auto scaling : {kernels::QuantVScaling::kCodes, kernels::QuantVScaling::kWeights})
+          runs.push_back({r.mode, r.pool, false, false, false, scaling});
+      }
     }
-    if (decode && c.dt == DType::kQ8_0) {
+    if (decode && c.dt == DType::kQ8_0 && variants.integer_k) {
       runs.push_back({r.mode, r.pool, false, true});
       runs.push_back({r.mode, r.pool, true, true});
       runs.push_back({r.mode, r.pool, false, false, true});
@@ -1032,6 +1037,18 @@ TEST_P(AttentionTest, NonFiniteStoredVPropagates) {
       }
     }
   }
+}
+
+// CheckCase repeats a decode run with a variant's flag only where DispatchedDecodeVariants says the
+// target implements it: it must name exactly the targets that compile each one (the tests of each
+// variant check that its flag changes the output there and nowhere else).
+TEST_P(AttentionTest, DecodeVariantsFollowTheTarget) {
+  const int64_t best = hwy::SupportedTargets() & -hwy::SupportedTargets();
+  const kernels::DecodeVariants v = kernels::DispatchedDecodeVariants();
+  SCOPED_TRACE("target=" + TargetNow());
+  EXPECT_EQ(v.integer_k, best == HWY_AVX3_DL);
+  EXPECT_EQ(v.integer_v, best == HWY_AVX3_DL);
+  EXPECT_EQ(v.scaled_weights, best == HWY_AVX3 || best == HWY_AVX3_DL);
 }
 
 // QuantVScaling (kernels/attention.h): kAuto resolves to one of the two ways; kWeights runs on
