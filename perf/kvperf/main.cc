@@ -530,15 +530,20 @@ int main(int argc, char** argv) {
               kv::kernels::PrefetchLevel::kL2
           ? "L2"
           : "L1";
-  const char* quant_v_scaling =
-      kv::kernels::ResolveQuantVScaling(kv::kernels::QuantVScaling::kAuto) ==
-              kv::kernels::QuantVScaling::kWeights
-          ? "weights"
-          : "codes";
+  // What the dispatched target runs: kWeights is resolved by CPU vendor but exists only on
+  // AVX-512 targets, and the integer K pass only on AVX3_DL.
+  const kv::kernels::DecodeVariants variants = kv::kernels::DispatchedDecodeVariants();
+  const char* quant_v_scaling = variants.scaled_weights && kv::kernels::ResolveQuantVScaling(
+                                                               kv::kernels::QuantVScaling::kAuto) ==
+                                                               kv::kernels::QuantVScaling::kWeights
+                                    ? "weights"
+                                    : "codes";
+  const char* q8_k_pass = variants.integer_k ? "integer dot products (24-bit query)" : "f32";
   report["machine"] = {{"cpu", cpu},
                        {"attention_highway_target", attention_target},
                        {"decode_prefetch", prefetch_level},
                        {"decode_quant_v_scaling", quant_v_scaling},
+                       {"decode_q8_0_k_pass", q8_k_pass},
                        {"threads", threads},
                        {"hardware_threads", std::thread::hardware_concurrency()},
                        {"read_bandwidth_bytes_per_s", ctx.read_bw},
@@ -602,9 +607,9 @@ int main(int argc, char** argv) {
       "%d threads, measured before each run; each run's ratios use its own figure)\n",
       cpu.c_str(), threads, bw_min * 1e-9, bw_max * 1e-9, threads);
   std::printf(
-      "kernels: attention on Highway target %s; decode prefetches into %s and applies q8_0 / q4_0 "
-      "V block scales to the %s (kernels/attention.h)\n",
-      attention_target, prefetch_level, quant_v_scaling);
+      "kernels: attention on Highway target %s; decode prefetches into %s, applies q8_0 / q4_0 "
+      "V block scales to the %s and forms q8_0 logits in %s (kernels/attention.h)\n",
+      attention_target, prefetch_level, quant_v_scaling, q8_k_pass);
   // Idle pool workers spin briefly before sleeping, so this overstates useful work a little; far
   // below `threads` it says the machine was shared and every absolute figure is pessimistic.
   std::printf(
