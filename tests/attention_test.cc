@@ -310,17 +310,16 @@ const int64_t g_best_target = [] {
   return t & -t;
 }();
 
-// Whether the dispatcher picks g_best_target now.
-bool OnBestTarget() {
+// The target the dispatcher picks now (the best supported one: the lowest bit).
+int64_t TargetBitNow() {
   const int64_t t = hwy::SupportedTargets();
-  return (t & -t) == g_best_target;
+  return t & -t;
 }
 
-// The target the dispatcher picks now (the best supported one: the lowest bit).
-std::string TargetNow() {
-  const int64_t t = hwy::SupportedTargets();
-  return hwy::TargetName(t & -t);
-}
+// Whether the dispatcher picks g_best_target now.
+bool OnBestTarget() { return TargetBitNow() == g_best_target; }
+
+std::string TargetNow() { return hwy::TargetName(TargetBitNow()); }
 
 // The kernel's parallel-for over `pool`'s threads; nullptr: run inline (one thread).
 kernels::ParallelForFn KernelParallelFor(ThreadPool* pool) {
@@ -796,7 +795,7 @@ TEST_P(AttentionTest, IntegerVTinyValues) {
     }
     EXPECT_LE(maxerr, (kIntegerVTol + 1e-5) * vmax);
     // The integer pass ran where it exists (it does not match the f32 pass exactly).
-    const int64_t best = hwy::SupportedTargets() & -hwy::SupportedTargets();
+    const int64_t best = TargetBitNow();
     if (best == HWY_AVX3_DL) {
       EXPECT_GT(maxerr, 0.0);
     } else {
@@ -827,7 +826,7 @@ TEST_P(AttentionTest, IntegerKAgainstTheF32Pass) {
       ksum_max = std::max(ksum_max, ks);
     }
   }
-  const int64_t best = hwy::SupportedTargets() & -hwy::SupportedTargets();
+  const int64_t best = TargetBitNow();
   for (const char* stored : {"finite", "inf", "nan"}) {
     if (stored[0] != 'f') {  // cells 123 and 290 of head 1, block 1's scale
       const uint16_t bits = stored[0] == 'i' ? 0x7C00 : 0x7E00;
@@ -1043,7 +1042,7 @@ TEST_P(AttentionTest, NonFiniteStoredVPropagates) {
 // target implements it: it must name exactly the targets that compile each one (the tests of each
 // variant check that its flag changes the output there and nowhere else).
 TEST_P(AttentionTest, DecodeVariantsFollowTheTarget) {
-  const int64_t best = hwy::SupportedTargets() & -hwy::SupportedTargets();
+  const int64_t best = TargetBitNow();
   const kernels::DecodeVariants v = kernels::DispatchedDecodeVariants();
   SCOPED_TRACE("target=" + TargetNow());
   EXPECT_EQ(v.integer_k, best == HWY_AVX3_DL);
@@ -1061,7 +1060,7 @@ TEST_P(AttentionTest, QuantVScalingRunsWhereImplemented) {
   EXPECT_NE(kernels::ResolveQuantVScaling(QuantVScaling::kAuto), QuantVScaling::kAuto);
   EXPECT_EQ(kernels::ResolveQuantVScaling(QuantVScaling::kCodes), QuantVScaling::kCodes);
   EXPECT_EQ(kernels::ResolveQuantVScaling(QuantVScaling::kWeights), QuantVScaling::kWeights);
-  const int64_t best = hwy::SupportedTargets() & -hwy::SupportedTargets();
+  const int64_t best = TargetBitNow();
   const bool avx512 = best <= HWY_AVX3;  // AVX3 or better (AVX3_DL)
   for (DType dt : {DType::kQ8_0, DType::kQ4_0}) {
     for (int G : {4, 8}) {
