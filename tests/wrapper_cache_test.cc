@@ -325,6 +325,21 @@ TEST(WrapperCache, ChildrenCanBeDowncastWithDynamicCast) {
 #endif
 }
 
+// The sanitizer build checks that a downcast reaches an object of that type (UBSan's vptr check,
+// which needs core/'s RTTI): a static_cast of a causal cache to EncoderCache stops the program
+// with a report. Without the check the same call reads a CausalCache as an EncoderCache.
+TEST(WrapperCacheDeathTest, WrongStaticDowncastIsReportedBySanitizer) {
+#if !KV_UBSAN_VPTR
+  GTEST_SKIP() << "UBSan's vptr check runs in the sanitizer build only";
+#else
+  std::unique_ptr<Cache> causal = NewCausalCache();
+  ASSERT_NE(causal, nullptr);
+  EXPECT_DEATH(static_cast<void>(static_cast<EncoderCache*>(causal.get())->EncoderCached()),
+               "downcast of address .* which does not point to an object of type "
+               "'kv::EncoderCache'");
+#endif
+}
+
 TEST(WrapperCache, SetAllocatorReachesEveryChild) {
   int calls = 0;
   ArenaAllocator counting{[](size_t bytes, void* ctx) {
