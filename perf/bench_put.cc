@@ -51,11 +51,15 @@ Fixture MakeFixture(DType dtype, int32_t n, bool contiguous = false) {
   std::mt19937 rng(42);
   std::normal_distribution<float> nd(0.0f, 1.0f);
   for (size_t i = 0; i < elems; ++i) f.src[i] = nd(rng);
-  std::vector<int32_t> perm(kCells);
-  std::iota(perm.begin(), perm.end(), 0);
-  std::shuffle(perm.begin(), perm.end(), rng);
-  f.cells.assign(perm.begin(), perm.begin() + n);
-  if (contiguous) std::iota(f.cells.begin(), f.cells.end(), kCells / 2 - n / 2);
+  if (contiguous) {
+    f.cells.resize(n);
+    std::iota(f.cells.begin(), f.cells.end(), kCells / 2 - n / 2);
+  } else {
+    std::vector<int32_t> perm(kCells);
+    std::iota(perm.begin(), perm.end(), 0);
+    std::shuffle(perm.begin(), perm.end(), rng);
+    f.cells.assign(perm.begin(), perm.begin() + n);
+  }
   f.view = kv::MakeView(f.src.get(), DType::kF32, {kHeadDim, kHeads, n});
   f.written = static_cast<size_t>(n) * kHeads * kv::RowBytes(dtype, kHeadDim);
   return f;
