@@ -55,6 +55,15 @@ class Cache {
     (void)max_batch;
     return Status::Ok();
   }
+  // The error StartForward would return for this batch, found without changing anything a
+  // caller can observe (Ok: it would be accepted, unless it runs out of memory). A wrapper asks
+  // every child before it starts any, so that a batch one child refuses changes no child. It may
+  // use the cache's scratch: for threading it counts as a change, like StartForward.
+  virtual Status CheckStartForward(const Batch& batch, bool reserve) {
+    (void)batch;
+    (void)reserve;
+    return Status::Ok();
+  }
   // Bytes this cache holds now (allocated, not merely reserved by sizing rules): its K/V storage
   // and, for the causal family, its cell table, mask and per-pass scratch (~25 bytes per cell
   // after Init, before any K/V).

@@ -285,7 +285,7 @@ void CausalCacheImpl::PlanTrim(std::span<const int32_t> positions,
   }
 }
 
-Status CausalCacheImpl::StartForward(const Batch& batch, bool reserve) {
+Status CausalCacheImpl::ValidateBatch(const Batch& batch) const {
   if (!initialized_) return Status::Error(Code::kInvalidArgument, "StartForward before Init");
   const size_t b = batch.positions.size();
   if (b != batch.sequences.size()) {
@@ -301,29 +301,24 @@ Status CausalCacheImpl::StartForward(const Batch& batch, bool reserve) {
                            batch.sequences[i], max_sequences_);
     }
   }
-  const int32_t n_cells = table_.num_cells();
-  if (reserve) {
-    // SEMANTICS.md §3.1: cells 0..B-1, the whole table as history, no metadata change.
-    KV_RETURN_IF_ERROR(EnsureMaskCapacity(b * static_cast<size_t>(n_cells)));
-    batch_size_ = static_cast<int32_t>(b);
-    for (size_t i = 0; i < b; ++i) {
-      batch_pos_[i] = batch.positions[i];
-      batch_seq_[i] = batch.sequences[i];
-      batch_causal_[i] = 1;
-      batch_cells_[i] = static_cast<int32_t>(i);
-    }
-    reserve_ = true;
-    have_batch_ = true;
-    hist_min_ = 0;
-    hist_max_ = n_cells - 1;
-    BuildMask();
-    return Status::Ok();
-  }
+  return Status::Ok();
+}
 
+Status CausalCacheImpl::CheckStartForward(const Batch& batch, bool reserve) {
+  KV_RETURN_IF_ERROR(ValidateBatch(batch));
+  if (reserve) return Status::Ok();
+  int32_t new_min = 0, new_max = 0;
+  KV_RETURN_IF_ERROR(PlanForward(batch, &new_min, &new_max));
+  ClearTrimPlan();
+  return Status::Ok();
+}
+
+Status CausalCacheImpl::PlanForward(const Batch& batch, int32_t* new_min, int32_t* new_max) {
   // Plan (reads only): which cells trimming would free, then the first B free cells counting those.
-  const int32_t bs = static_cast<int32_t>(b);
+  const int32_t bs = static_cast<int32_t>(batch.positions.size());
   const std::span<const int32_t> positions = batch.positions;
   const std::span<const int32_t> sequences = batch.sequences;
+  const int32_t n_cells = table_.num_cells();
   if (MemoryLimited()) PlanTrim(positions, sequences);
   const std::span<const uint64_t> also_free =
       MemoryLimited() ? std::span<const uint64_t>(would_free_, table_.free_bits().size())
@@ -364,8 +359,38 @@ Status CausalCacheImpl::StartForward(const Batch& batch, bool reserve) {
   }
   // §3.5: pad the history range outward.
   const int64_t p = config_.padding;
-  const int32_t new_min = static_cast<int32_t>(hmin / p * p);
-  const int32_t new_max = static_cast<int32_t>((hmax + 1 + p - 1) / p * p - 1);
+  *new_min = static_cast<int32_t>(hmin / p * p);
+  *new_max = static_cast<int32_t>((hmax + 1 + p - 1) / p * p - 1);
+  return Status::Ok();
+}
+
+Status CausalCacheImpl::StartForward(const Batch& batch, bool reserve) {
+  KV_RETURN_IF_ERROR(ValidateBatch(batch));
+  const size_t b = batch.positions.size();
+  const int32_t n_cells = table_.num_cells();
+  if (reserve) {
+    // SEMANTICS.md §3.1: cells 0..B-1, the whole table as history, no metadata change.
+    KV_RETURN_IF_ERROR(EnsureMaskCapacity(b * static_cast<size_t>(n_cells)));
+    batch_size_ = static_cast<int32_t>(b);
+    for (size_t i = 0; i < b; ++i) {
+      batch_pos_[i] = batch.positions[i];
+      batch_seq_[i] = batch.sequences[i];
+      batch_causal_[i] = 1;
+      batch_cells_[i] = static_cast<int32_t>(i);
+    }
+    reserve_ = true;
+    have_batch_ = true;
+    hist_min_ = 0;
+    hist_max_ = n_cells - 1;
+    BuildMask();
+    return Status::Ok();
+  }
+
+  const int32_t bs = static_cast<int32_t>(b);
+  const std::span<const int32_t> positions = batch.positions;
+  const std::span<const int32_t> sequences = batch.sequences;
+  int32_t new_min = 0, new_max = 0;
+  KV_RETURN_IF_ERROR(PlanForward(batch, &new_min, &new_max));
   if (Status s = EnsureMaskCapacity(static_cast<size_t>(new_max - new_min + 1) * bs); !s.ok()) {
     ClearTrimPlan();
     return s;

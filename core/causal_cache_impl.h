@@ -47,6 +47,7 @@ class CausalCacheImpl final : public CausalCache {
   Status CheckConfig(const CacheConfig& config) const override;
   Status CheckInit(DType dtype, int max_sequences, int capacity, int max_batch) const override;
   Status StartForward(const Batch& batch, bool reserve) override;
+  Status CheckStartForward(const Batch& batch, bool reserve) override;
   void SetLayer(int layer) override { layer_ = layer; }
   Status Put(const TensorView& key, const TensorView& value) override;
   History Get() override;
@@ -84,6 +85,13 @@ class CausalCacheImpl final : public CausalCache {
   // below which its cells are dropped (INT64_MIN: none). Marks cells that would become free.
   void PlanTrim(std::span<const int32_t> positions, std::span<const int32_t> sequences);
   void ClearTrimPlan();
+  // StartForward's argument checks (§3): kInvalidArgument before Init or for a bad batch.
+  Status ValidateBatch(const Batch& batch) const;
+  // StartForward's plan for a non-reserve batch, changing nothing but scratch: the trim plan
+  // (PlanTrim), the batch's cells in slots_ (§3.3) and the padded history range (§3.5). kCacheFull
+  // when fewer than B cells would be free (the trim plan is cleared then); on success the trim
+  // plan stays for the commit, or for ClearTrimPlan.
+  Status PlanForward(const Batch& batch, int32_t* new_min, int32_t* new_max);
 
   // Construction parameters (Init derives the effective ones).
   int32_t requested_window_;

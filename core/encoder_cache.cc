@@ -175,7 +175,8 @@ class EncoderCacheImpl final : public EncoderCache {
     return Status::Ok();
   }
 
-  Status StartForward(const Batch& batch, bool reserve) override {
+  Status CheckStartForward(const Batch& batch, bool reserve) override {
+    (void)reserve;
     if (!initialized_) return Status::Error(Code::kInvalidArgument, "encoder: not initialized");
     const size_t b = batch.positions.size();
     if (b != batch.sequences.size() || b < 1 || b > static_cast<size_t>(max_batch_)) {
@@ -200,6 +201,11 @@ class EncoderCacheImpl final : public EncoderCache {
                              m, b);
       }
     }
+    return Status::Ok();
+  }
+
+  Status StartForward(const Batch& batch, bool reserve) override {
+    KV_RETURN_IF_ERROR(CheckStartForward(batch, reserve));
     cur_slot_ = options_.per_sequence ? batch.sequences[0] : 0;
     // We work with the most recent image (as Ollama): the batch's last multimodal token.
     if (!batch.multimodal.empty()) {

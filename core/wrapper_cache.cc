@@ -8,6 +8,12 @@
 //   out of memory) closes every child: on a first Init that is the state before the call; on a
 //   re-Init the earlier children have already dropped their tokens, and closed children at least
 //   agree (Ollama leaves the earlier children initialized).
+// - StartForward first asks every child whether it accepts the batch (CheckStartForward), so a
+//   batch that a later child refuses (kCacheFull, a bad batch) changes no child. Ollama's wrapper
+//   runs the earlier children first and then unwinds them by Remove (SEMANTICS.md §10), which
+//   cannot give back the cells a window child trimmed: the child then resumes from fewer
+//   positions. That unwind remains for a child that fails after the check (out of memory, or a
+//   child of the caller's own that does not check ahead).
 // - StartForward with reserve = true does not unwind on a child's failure: a reserve pass changes
 //   no metadata, and removing the batch's positions would delete real tokens.
 // - CopyPrefix refuses with kNotSupported before touching any child when one child can never copy
@@ -61,13 +67,21 @@ class WrapperCacheImpl final : public WrapperCache {
     return Status::Ok();
   }
 
+  Status CheckStartForward(const Batch& batch, bool reserve) override {
+    for (auto& c : caches_) KV_RETURN_IF_ERROR(c->CheckStartForward(batch, reserve));
+    return Status::Ok();
+  }
+
   Status StartForward(const Batch& batch, bool reserve) override {
+    // A child that would refuse the batch refuses it before any child has changed.
+    KV_RETURN_IF_ERROR(CheckStartForward(batch, reserve));
     for (size_t i = 0; i < caches_.size(); ++i) {
       Status s = caches_[i]->StartForward(batch, reserve);
       if (s.ok()) continue;
       if (!reserve) {
-        // Unwind so no child keeps half a batch. Remove to the end never shifts; its result is
-        // ignored as in Ollama (a child that accepted the batch accepts its sequences).
+        // Unwind so no child keeps half a batch (a child that ran out of memory, or one that
+        // cannot check ahead). Remove to the end never shifts; its result is ignored as in
+        // Ollama (a child that accepted the batch accepts its sequences).
         const size_t n = std::min(batch.positions.size(), batch.sequences.size());
         for (size_t j = i; j-- > 0;) {
           for (size_t k = 0; k < n; ++k) {

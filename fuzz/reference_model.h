@@ -310,6 +310,9 @@ class CacheModel {
                            int max_batch) const = 0;
   virtual Result StartForward(const std::vector<int32_t>& pos, const std::vector<int32_t>& seq,
                               const std::vector<int32_t>& multimodal, bool reserve) = 0;
+  // What StartForward would return, changing nothing (Cache::CheckStartForward).
+  virtual Result CheckStartForward(const std::vector<int32_t>& pos, const std::vector<int32_t>& seq,
+                                   const std::vector<int32_t>& multimodal, bool reserve) const = 0;
   virtual void SetLayer(int layer) = 0;
   virtual Result Put(const ModelTensor& k, const ModelTensor& v) = 0;
   virtual ModelHistory Get() const = 0;
@@ -388,20 +391,32 @@ class CausalCacheModel final : public CacheModel {
     return Result::kOk;
   }
 
+  Result CheckStartForward(const std::vector<int32_t>& pos, const std::vector<int32_t>& seq,
+                           const std::vector<int32_t>&, bool reserve) const override {
+    if (!initialized_) return Result::kInvalidArgument;
+    if (!reserve) {
+      CausalModel trial = m_;  // the cells change only on a copy
+      return trial.StartForward(pos, seq);
+    }
+    const int b = static_cast<int>(pos.size());
+    if (b != static_cast<int>(seq.size()) || b < 1 || b > max_batch_)
+      return Result::kInvalidArgument;
+    for (int s : seq) {
+      if (s < 0 || s >= max_sequences_) return Result::kInvalidArgument;
+    }
+    return Result::kOk;
+  }
   Result StartForward(const std::vector<int32_t>& pos, const std::vector<int32_t>& seq,
-                      const std::vector<int32_t>&, bool reserve) override {
+                      const std::vector<int32_t>& mm, bool reserve) override {
     if (!initialized_) return Result::kInvalidArgument;
     if (!reserve) {
       const Result r = m_.StartForward(pos, seq);
       if (r != Result::kOk) return r;
     } else {
       // §3.1: cells 0..B-1, the whole table as history, no metadata change.
+      const Result checked = CheckStartForward(pos, seq, mm, reserve);
+      if (checked != Result::kOk) return checked;
       const int b = static_cast<int>(pos.size());
-      if (b != static_cast<int>(seq.size()) || b < 1 || b > max_batch_)
-        return Result::kInvalidArgument;
-      for (int s : seq) {
-        if (s < 0 || s >= max_sequences_) return Result::kInvalidArgument;
-      }
       m_.batch_pos = pos;
       m_.batch_seq = seq;
       m_.batch_cells.clear();
@@ -615,8 +630,8 @@ class EncoderCacheModel final : public CacheModel {
     initialized_ = true;
     return Result::kOk;
   }
-  Result StartForward(const std::vector<int32_t>& pos, const std::vector<int32_t>& seq,
-                      const std::vector<int32_t>& mm, bool reserve) override {
+  Result CheckStartForward(const std::vector<int32_t>& pos, const std::vector<int32_t>& seq,
+                           const std::vector<int32_t>& mm, bool) const override {
     if (!initialized_) return Result::kInvalidArgument;
     const size_t b = pos.size();
     if (b != seq.size() || b < 1 || b > static_cast<size_t>(max_batch_))
@@ -628,6 +643,12 @@ class EncoderCacheModel final : public CacheModel {
     for (int32_t m : mm) {
       if (m < 0 || static_cast<size_t>(m) >= b) return Result::kInvalidArgument;
     }
+    return Result::kOk;
+  }
+  Result StartForward(const std::vector<int32_t>& pos, const std::vector<int32_t>& seq,
+                      const std::vector<int32_t>& mm, bool reserve) override {
+    const Result checked = CheckStartForward(pos, seq, mm, reserve);
+    if (checked != Result::kOk) return checked;
     cur_ = per_sequence_ ? seq[0] : 0;
     if (!mm.empty()) slots_[cur_].cur_pos = pos[mm.back()];  // the batch's last image
     reserve_ = reserve;
@@ -780,22 +801,21 @@ class WrapperCacheModel final : public CacheModel {
     for (CacheModel* c : c_) (void)c->Init(dtype, max_sequences, capacity, max_batch);
     return Result::kOk;
   }
+  Result CheckStartForward(const std::vector<int32_t>& pos, const std::vector<int32_t>& seq,
+                           const std::vector<int32_t>& mm, bool reserve) const override {
+    for (const CacheModel* c : c_) {
+      const Result r = c->CheckStartForward(pos, seq, mm, reserve);
+      if (r != Result::kOk) return r;
+    }
+    return Result::kOk;
+  }
+  // Every child is asked first: a batch one child refuses changes no child. Once asked, every
+  // child accepts it (a model never runs out of memory, the one case the cache still unwinds).
   Result StartForward(const std::vector<int32_t>& pos, const std::vector<int32_t>& seq,
                       const std::vector<int32_t>& mm, bool reserve) override {
-    for (size_t i = 0; i < c_.size(); ++i) {
-      const Result r = c_[i]->StartForward(pos, seq, mm, reserve);
-      if (r == Result::kOk) continue;
-      if (!reserve) {  // unwind: children before i drop every batch token's position onwards
-        const size_t n = std::min(pos.size(), seq.size());
-        for (size_t j = i; j-- > 0;) {
-          for (size_t k = 0; k < n; ++k) {
-            std::vector<ModelShift> none;
-            (void)c_[j]->Remove(seq[k], pos[k], INT32_MAX, &none);
-          }
-        }
-      }
-      return r;
-    }
+    const Result checked = CheckStartForward(pos, seq, mm, reserve);
+    if (checked != Result::kOk) return checked;
+    for (CacheModel* c : c_) (void)c->StartForward(pos, seq, mm, reserve);
     type_ = 0;
     return Result::kOk;
   }

@@ -735,8 +735,14 @@ TEST_P(CausalRandomized, MatchesTheReferenceModel) {
             next_pos[seq[i]] = std::max(0, next_pos[seq[i]] - pick(1, 5));  // rewind
           pos[i] = next_pos[seq[i]]++;
         }
+        // CheckStartForward (what a wrapper asks first) answers as StartForward will, and
+        // changes nothing.
+        const std::vector<uint8_t> before = testing::Fingerprint(*cache);
+        const Status checked = cache->CheckStartForward(Batch{pos, seq, {}}, false);
+        ASSERT_EQ(testing::Fingerprint(*cache), before);
         const kvref::Result r = model.StartForward(pos, seq);
         const Status s = Start(cache.get(), pos, seq);
+        ASSERT_EQ(checked.code(), s.code()) << checked.message() << " / " << s.message();
         ASSERT_EQ(static_cast<int>(r), s.ok() ? 0 : (s.code() == Code::kCacheFull ? 1 : 3))
             << s.message();
         if (!s.ok()) {

@@ -19,6 +19,7 @@
 
 #include "core/attend.h"
 #include "core/cache.h"
+#include "core/persistence.h"
 #include "gtest/gtest.h"
 
 namespace kv {
@@ -413,9 +414,11 @@ TEST(ModelFamilies, EncoderPlusCausalWithImagesArrivingAndLeaving) {
   EXPECT_TRUE(enc->EncoderCached());
 }
 
-// The unwind with real children: the window child accepts a batch that the global child has no
-// room for; the wrapper removes the batch from the window child again.
-TEST(ModelFamilies, WrapperUnwindsAWindowChildWhenTheGlobalChildIsFull) {
+// A batch the global child has no room for: the wrapper asks both children first, so the window
+// child neither takes the batch nor trims the cells the batch would have pushed out of its
+// memory (Ollama's wrapper starts it and then removes the batch again, which cannot give those
+// cells back).
+TEST(ModelFamilies, WrapperLeavesTheWindowChildAsItWasWhenTheGlobalChildIsFull) {
   auto w = Wrap(NewSWACache(4), NewCausalCache());
   ASSERT_TRUE(w->Init(DType::kF32, 1, 16, 4).ok());
   std::vector<float> k(static_cast<size_t>(kHeadDim) * kKvHeads * 4, 1.0f);
@@ -429,12 +432,22 @@ TEST(ModelFamilies, WrapperUnwindsAWindowChildWhenTheGlobalChildIsFull) {
       ASSERT_TRUE(w->Put(kv, kv).ok());
     }
   }
+  Cache* swa = w->Child(0);
+  // The window child holds positions 8..15 (memory 4 below the last batch's lowest position 12).
+  for (int32_t p = 0; p <= 17; ++p) {
+    EXPECT_EQ(swa->CanResume(0, p), p >= 12 && p <= 16) << "position " << p;
+  }
+  std::vector<uint8_t> before, after;
+  ASSERT_TRUE(SaveCache(*w, &before).ok());
   Tokens more = Range(16, 4);
   EXPECT_EQ(w->StartForward(more.batch(), false).code(), Code::kCacheFull);
-  // Had positions 16..19 stayed in the window child, it could resume at 17..20.
-  Cache* swa = w->Child(0);
-  EXPECT_TRUE(swa->CanResume(0, 16));
-  EXPECT_FALSE(swa->CanResume(0, 17));
+  ASSERT_TRUE(SaveCache(*w, &after).ok());
+  EXPECT_TRUE(before == after) << "a refused batch changed a child";
+  // Had the window child run the batch, it would have dropped positions 8..11 (and could no
+  // longer resume at 12..15); had it kept the batch, it could resume at 17..20.
+  for (int32_t p = 0; p <= 21; ++p) {
+    EXPECT_EQ(swa->CanResume(0, p), p >= 12 && p <= 16) << "position " << p;
+  }
   // The runtime frees room (drops the sequence) and the same batch then goes through.
   ASSERT_TRUE(w->Remove(0, 0, kPosMax).ok());
   Tokens fresh = Range(0, 4);

@@ -19,7 +19,8 @@ class FakeCache : public Cache {
   Code fail_init = Code::kOk;
   Code fail_check_config = Code::kOk;  // what CheckConfig / CheckInit report
   Code fail_check_init = Code::kOk;
-  Code fail_start = Code::kOk;
+  Code fail_check_start = Code::kOk;  // what CheckStartForward reports
+  Code fail_start = Code::kOk;        // what StartForward itself returns
   Code fail_remove = Code::kOk;
   Code fail_copy = Code::kOk;
   bool can_resume = true;
@@ -39,6 +40,7 @@ class FakeCache : public Cache {
         ")");
     return Result(fail_init);
   }
+  Status CheckStartForward(const Batch&, bool) override { return Result(fail_check_start); }
   Status StartForward(const Batch& b, bool reserve) override {
     Log("StartForward(" + std::to_string(b.positions.size()) + (reserve ? ",reserve)" : ")"));
     return Result(fail_start);
@@ -186,7 +188,30 @@ TEST(WrapperCache, RealChildRefusingInitLeavesTheOthersAsTheyWere) {
   EXPECT_EQ(causal->Get().mask.ne[0], 4) << "the causal child lost its tokens";
 }
 
-TEST(WrapperCache, StartForwardUnwindsEarlierChildrenWhenALaterOneIsFull) {
+TEST(WrapperCache, StartForwardAsksEveryChildBeforeStartingAny) {
+  // The last child would refuse the batch: no child starts it, so none needs unwinding.
+  for (bool reserve : {false, true}) {
+    Fixture f(3);
+    f.fakes[2]->fail_check_start = Code::kCacheFull;
+    const int32_t pos[] = {7, 8, 3};
+    const int32_t seq[] = {0, 0, 1};
+    EXPECT_EQ(f.wrapper->StartForward(Batch{pos, seq, {}}, reserve).code(), Code::kCacheFull);
+    EXPECT_EQ(f.log, Log{});
+    EXPECT_EQ(f.wrapper->CheckStartForward(Batch{pos, seq, {}}, reserve).code(), Code::kCacheFull);
+  }
+  // The first refusal in child order is the one returned.
+  Fixture f(3);
+  f.fakes[1]->fail_check_start = Code::kInvalidArgument;
+  f.fakes[2]->fail_check_start = Code::kCacheFull;
+  const int32_t pos[] = {0};
+  const int32_t seq[] = {0};
+  EXPECT_EQ(f.wrapper->StartForward(Batch{pos, seq, {}}, false).code(), Code::kInvalidArgument);
+  EXPECT_EQ(f.log, Log{});
+}
+
+TEST(WrapperCache, StartForwardUnwindsEarlierChildrenWhenALaterOneFailsAfterItsCheck) {
+  // A child that fails only when it runs (out of memory, or a child of the caller's own that
+  // does not check ahead): the earlier children are unwound as in Ollama.
   Fixture f(3);
   f.fakes[2]->fail_start = Code::kCacheFull;
   const int32_t pos[] = {7, 8, 3};
