@@ -87,6 +87,13 @@ class Cache {
     (void)seq;
     return Status::Error(Code::kNotSupported, "this cache kind cannot be loaded");
   }
+  // The error Deserialize would return, found without changing anything (Ok: it would succeed
+  // unless it runs out of memory). A wrapper asks every child before it loads any.
+  virtual Status CheckDeserialize(std::span<const uint8_t> bytes, int seq) {
+    (void)bytes;
+    (void)seq;
+    return Status::Ok();
+  }
   // Where K/V storage comes from (tests inject failures through it). Only while the cache holds
   // no storage (before Init, or after Close); else kInvalidArgument.
   virtual Status SetAllocator(const ArenaAllocator& allocator) {

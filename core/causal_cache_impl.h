@@ -66,7 +66,12 @@ class CausalCacheImpl final : public CausalCache {
 
   // Persistence and allocator injection: core/persistence.cc.
   Status Serialize(std::vector<uint8_t>* out, int seq) const override;
-  Status Deserialize(std::span<const uint8_t> bytes, int seq) override;
+  Status Deserialize(std::span<const uint8_t> bytes, int seq) override {
+    return Load(bytes, seq, /*check_only=*/false);
+  }
+  Status CheckDeserialize(std::span<const uint8_t> bytes, int seq) override {
+    return Load(bytes, seq, /*check_only=*/true);
+  }
   Status SetAllocator(const ArenaAllocator& allocator) override;
 
  private:
@@ -80,6 +85,8 @@ class CausalCacheImpl final : public CausalCache {
   Status AllocateLayer(LayerStorage* layer, int32_t k_head_dim, int32_t v_head_dim,
                        int32_t kv_heads);
   Status EnsureMaskCapacity(size_t elements);
+  // Deserialize, or with check_only its checks alone (everything up to the allocation).
+  Status Load(std::span<const uint8_t> bytes, int seq, bool check_only);
   void BuildMask();
   // Window trimming (SEMANTICS.md §3.2), computed without mutating: per sequence, the position
   // below which its cells are dropped (INT64_MIN: none). Marks cells that would become free.

@@ -360,7 +360,12 @@ class EncoderCacheImpl final : public EncoderCache {
   }
 
   Status Serialize(std::vector<uint8_t>* out, int seq) const override;
-  Status Deserialize(std::span<const uint8_t> bytes, int seq) override;
+  Status Deserialize(std::span<const uint8_t> bytes, int seq) override {
+    return Load(bytes, seq, /*check_only=*/false);
+  }
+  Status CheckDeserialize(std::span<const uint8_t> bytes, int seq) override {
+    return Load(bytes, seq, /*check_only=*/true);
+  }
 
   size_t MemoryBytes() const override {
     size_t total = 0;
@@ -371,6 +376,9 @@ class EncoderCacheImpl final : public EncoderCache {
   }
 
  private:
+  // Deserialize, or with check_only its checks alone (everything up to the allocation).
+  Status Load(std::span<const uint8_t> bytes, int seq, bool check_only);
+
   EncoderOptions options_;
   CacheConfig config_;
   DType dtype_ = DType::kF32;  // Init's dtype: recorded and checked by persistence, not applied
@@ -496,7 +504,7 @@ bool ReadShape(Reader* r, uint8_t dtype_u8, int64_t ne[4], size_t* bytes) {
 
 }  // namespace
 
-Status EncoderCacheImpl::Deserialize(std::span<const uint8_t> bytes, int seq) {
+Status EncoderCacheImpl::Load(std::span<const uint8_t> bytes, int seq, bool check_only) {
   if (!initialized_) return Status::Error(Code::kInvalidArgument, "load: encoder not initialized");
   Reader r;
   KV_RETURN_IF_ERROR(OpenStream(bytes, kKindEncoder, &r));
@@ -579,6 +587,7 @@ Status EncoderCacheImpl::Deserialize(std::span<const uint8_t> bytes, int seq) {
     }
     first = options_.per_sequence ? static_cast<size_t>(dst) : 0;
   }
+  if (check_only) return Status::Ok();
 
   // 3. Room: storage for every layer whose blocks are too small, allocated now into the stream
   // records; an allocation failure drops them and leaves the cache as it was. Capacity never

@@ -166,8 +166,11 @@ size_t kvc_memory_bytes(const kvc_cache* cache); /* bytes held now (Cache::Memor
 /* ---- persistence (core/persistence.h has the stream format) --------------------------------- */
 
 /* seq -1: the whole cache; else that sequence only. kvc_save writes the stream to buf when
- * capacity >= its size; *size always receives the size. buf NULL: size query (KVC_OK); capacity
- * too small: KVC_INVALID_ARGUMENT, nothing written. A failing load leaves the cache unchanged. */
+ * capacity >= its size; *size receives the size whenever the cache can be saved (untouched when
+ * the save itself fails, e.g. before init). buf NULL: size query (KVC_OK); capacity too small:
+ * KVC_INVALID_ARGUMENT, nothing written. A failing load leaves the cache unchanged; the one
+ * exception is a wrapper that runs out of memory partway, whose children are restored but lose
+ * their current forward pass (core/persistence.h). */
 kvc_code kvc_save(const kvc_cache* cache, int seq, void* buf, size_t capacity, size_t* size);
 kvc_code kvc_load(kvc_cache* cache, const void* bytes, size_t size, int seq);
 /* Files are written to a temporary name and renamed into place. */

@@ -322,7 +322,7 @@ Status CausalCacheImpl::Serialize(std::vector<uint8_t>* out, int seq) const {
   return Status::Ok();
 }
 
-Status CausalCacheImpl::Deserialize(std::span<const uint8_t> bytes, int seq) {
+Status CausalCacheImpl::Load(std::span<const uint8_t> bytes, int seq, bool check_only) {
   if (!initialized_) return Status::Error(Code::kInvalidArgument, "load: cache not initialized");
   Reader r;
   KV_RETURN_IF_ERROR(OpenStream(bytes, kKindCausal, &r));
@@ -489,6 +489,7 @@ Status CausalCacheImpl::Deserialize(std::span<const uint8_t> bytes, int seq) {
                            placed.size());
     }
   }
+  if (check_only) return Status::Ok();
   // Storage for layers this cache has not allocated yet, in one allocation that either succeeds
   // or leaves everything as it was.
   if (needed > 0) KV_RETURN_IF_ERROR(arena_.Reserve(needed));
@@ -632,6 +633,8 @@ Status LoadCache(std::span<const uint8_t> bytes, WrapperCache* cache, int seq) {
                          cache->NumChildren());
   }
   // Back every child up first: a child without persistence refuses here, before any change.
+  // Then ask every child about its stream: a child that would refuse it refuses before any child
+  // has changed (not even its forward pass).
   std::vector<std::vector<uint8_t>> backups(n);
   for (uint32_t i = 0; i < n; ++i) {
     if (cache->Child(static_cast<int>(i)) == nullptr)
@@ -640,9 +643,14 @@ Status LoadCache(std::span<const uint8_t> bytes, WrapperCache* cache, int seq) {
     if (!s.ok()) return Status::Error(s.code(), "load: child %u: %s", i, s.message());
   }
   for (uint32_t i = 0; i < n; ++i) {
+    Status s = cache->Child(static_cast<int>(i))->CheckDeserialize(spans[i], seq);
+    if (!s.ok()) return Status::Error(s.code(), "load: child %u: %s", i, s.message());
+  }
+  for (uint32_t i = 0; i < n; ++i) {
     Status s = cache->Child(static_cast<int>(i))->Deserialize(spans[i], seq);
     if (s.ok()) continue;
-    // Restoring a cache's own whole-cache stream needs no new storage, so it cannot fail.
+    // Out of memory (or a child without CheckDeserialize). Restoring a cache's own whole-cache
+    // stream needs no new storage, so it cannot fail.
     for (uint32_t j = 0; j < i; ++j)
       (void)cache->Child(static_cast<int>(j))->Deserialize(backups[j], -1);
     return Status::Error(s.code(), "load: child %u: %s", i, s.message());

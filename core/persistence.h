@@ -35,15 +35,16 @@
 //   u8 dtype, u8[3] zero, i32 max_size, keep, offset, len, key_dim, value_dim, heads, batch,
 //   u64 key bytes, u64 value bytes, the key bytes, the value bytes.
 //
-// Loading: the stream is checked in this order, and nothing in the target changes before all of
-// it passes: size and magic (kCorrupt), version and kind (kNotSupported for a newer version,
-// kInvalidArgument for the wrong kind), total size and checksum (kCorrupt), then every field with
-// a bounds-checked reader (kCorrupt for a malformed stream: out-of-range cells, duplicate cells,
-// bad sequence bits, byte counts that disagree with the shapes), then compatibility with the
-// target (kInvalidArgument: different dtype, window/memory/chunk, shape or per-layer K/V shapes),
-// then room (kCacheFull: not enough free cells for a sequence; kOutOfMemory: storage for layers
-// the target has not allocated yet, taken in one allocation). The reader never reads outside the
-// given span, whatever the stream says.
+// Loading: the stream is checked in this order, and nothing in the target changes before all of it
+// passes: size and magic (kCorrupt), version (kCorrupt for 0, kNotSupported for a newer one: its
+// layout may differ past the version field), total size and checksum (kCorrupt), kind
+// (kInvalidArgument: another cache kind's stream; checked after the checksum, so that damage to the
+// kind field reads as damage), then every field with a bounds-checked reader (kCorrupt for a
+// malformed stream: out-of-range cells, duplicate cells, bad sequence bits, byte counts that
+// disagree with the shapes), then compatibility with the target (kInvalidArgument: different dtype,
+// window/memory/chunk, shape or per-layer K/V shapes), then room (kCacheFull: not enough free cells
+// for a sequence; kOutOfMemory: storage for layers the target has not allocated yet, taken in one
+// allocation). The reader never reads outside the given span, whatever the stream says.
 //
 // Whole cache (seq == -1 on both sides): the target must be Init'ed with the same dtype,
 // window/memory/chunk, padding, max_sequences, capacity and max_batch (so the same cell count);
@@ -79,11 +80,13 @@
 // Wrapper caches (the WrapperCache overloads below; stream kind 3): a u32 child count, then per
 // child a u64 byte count and that child's own stream. Every child must support persistence (a
 // hand-written child without it: kNotSupported before anything changes); seq applies to every
-// child. A load validates the outer stream, backs every child up in memory, then loads the
-// children in order; if child i fails, children 0..i-1 are restored from their backups (contents
-// as before; their current forward pass is dropped, and storage they allocated stays allocated,
-// zeroed or unused). Through a plain Cache& a wrapper is kNotSupported; call these overloads with
-// the WrapperCache type.
+// child. A load validates the outer stream, backs every child up in memory, asks every child
+// whether it would accept its stream (Cache::CheckDeserialize: everything but the allocation), so
+// that a malformed, incompatible or too-large child stream changes no child, not even its forward
+// pass, and then loads the children in order; if child i still fails (out of memory), children
+// 0..i-1 are restored from their backups (contents as before; their current forward pass is
+// dropped, and storage they allocated stays allocated, zeroed or unused). Through a plain Cache& a
+// wrapper is kNotSupported; call these overloads with the WrapperCache type.
 //
 // Files: SaveCacheFile writes `path` + ".tmp", fsyncs it, renames it over `path` and fsyncs the
 // directory, so a crash mid-save leaves either the previous file or the new one, never a torn one.

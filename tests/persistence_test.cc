@@ -334,6 +334,16 @@ TEST_F(PersistenceFailure, OtherShapeDTypeOrKind) {
   EXPECT_EQ(LoadCache(bytes_, other_cap.get()).code(), Code::kInvalidArgument);
   auto other_kind = MakeInit(AllCacheKinds()[1], DType::kQ8_0);
   EXPECT_EQ(LoadCache(bytes_, other_kind.get()).code(), Code::kInvalidArgument);
+  // The checksum comes before the kind: a damaged stream reads as damaged whatever its target.
+  auto encoder = NewEncoderCache();
+  ASSERT_TRUE(encoder->Init(DType::kQ8_0, 1, 16, 4).ok());
+  std::vector<uint8_t> damaged = bytes_;
+  damaged[12] ^= 0x02;  // kind 1 (causal) reads 3 (wrapper)
+  EXPECT_EQ(LoadCache(damaged, encoder.get()).code(), Code::kCorrupt);
+  EXPECT_EQ(LoadCache(damaged, target_.get()).code(), Code::kCorrupt);
+  damaged = bytes_;
+  damaged[bytes_.size() / 2] ^= 0x40;
+  EXPECT_EQ(LoadCache(damaged, encoder.get()).code(), Code::kCorrupt);
   EXPECT_EQ(LoadCache(bytes_, target_.get(), 0).code(), Code::kInvalidArgument);  // whole + seq
   // Layer shapes: the target's layer 0 already holds another head_dim.
   auto other_heads = MakeInit(AllCacheKinds()[0], DType::kQ8_0);
@@ -954,9 +964,21 @@ TEST(PersistenceWrapper, AFailingChildRestoresTheEarlierOnes) {
   ASSERT_TRUE(WrapperStep(d, b.get(), 1, &o).ok());
   std::vector<uint8_t> before, after;
   ASSERT_TRUE(SaveCache(*b, &before).ok());
+  const History child0_before = b->Child(0)->Get();
+  ASSERT_NE(child0_before.mask.data, nullptr);
   EXPECT_EQ(LoadCache(bytes, b.get()).code(), Code::kInvalidArgument);
   ASSERT_TRUE(SaveCache(*b, &after).ok());
   EXPECT_EQ(before, after);
+  // Child 1 refused its stream before child 0 loaded anything: child 0 keeps its forward pass
+  // too (a restore from a backup would have dropped it), so the pass can go on.
+  const History child0_after = b->Child(0)->Get();
+  EXPECT_EQ(child0_after.mask.data, child0_before.mask.data);
+  EXPECT_EQ(child0_after.mask.ne[0], child0_before.mask.ne[0]);
+  b->SetLayer(0);
+  b->SetLayerType(0);
+  EXPECT_TRUE(b->Put(MakeView(d.k.data(), DType::kF32, {d.dk, d.kv_heads, 1}),
+                     MakeView(d.v.data(), DType::kF32, {d.dv, d.kv_heads, 1}))
+                  .ok());
   // Corruption of the outer stream.
   for (size_t n = 0; n < bytes.size(); n += 11)
     ASSERT_EQ(LoadCache(std::span<const uint8_t>(bytes.data(), n), b.get()).code(), Code::kCorrupt);
