@@ -17,8 +17,8 @@
 // K and V share one dtype (Attend, core/attend.cc, widens a mixed pair to f32 before calling
 // here). Query head h reads KV head h / (Hq / Hkv).
 // Non-finite values: a visible cell with a NaN or +inf logit makes its (row, head) output NaN in
-// every path (decode, its merge, prefill, the integer passes, the reference); hidden cells are
-// never looked at.
+// every path (decode, its merge, prefill, the integer passes, the reference); hidden cells
+// contribute nothing whatever they hold (inf / NaN included).
 //
 // Memory traffic (bytes of K+V read per call; R = bytes of one K plus one V row in the storage
 // dtype, visible(b) = cells visible to batch row b):
@@ -74,8 +74,12 @@
 // 0.54-0.72 of the FMA peak. The README's Known gaps has the targets by machine, its Performance
 // section the current tables, perf/HISTORY.md every run.
 //
-// Masked cells are never read in decode; prefill reads whole tiles, so K/V of hidden cells must be
-// finite there (the caches zero-fill their storage).
+// Masked cells are never read in decode. Prefill reads whole tiles: a hidden cell's logit is
+// replaced by -inf whatever its K gives, and a V tile that holds inf or NaN is accumulated
+// skipping each row's hidden cells (their weight 0 times inf would be NaN); other tiles take the
+// register-blocked path. The scan for non-finite values is one FMA per V vector of the tile
+// (Dv / 16 per cell on AVX-512), against (D + Dv) / 16 per cell and query row for the tile's
+// products: ~0.4% of them with a task's 128 query rows (128 / G batch rows of G heads each).
 //
 // Scratch: each thread that runs tasks keeps one thread_local buffer, grown to the largest shape it
 // has seen; the calling thread also keeps the span lists, the decode partials and, when several

@@ -1038,6 +1038,72 @@ TEST_P(AttentionTest, NonFiniteStoredVPropagates) {
   }
 }
 
+// Stored inf / NaN in the V of a cell that a row does not see contributes nothing to that row,
+// in both modes: prefill reads whole 64-cell tiles, where a hidden cell's weight 0 times inf
+// would give NaN (found by an audit: one overflowing f16 token of one sequence turned another
+// sequence's prefill outputs to NaN). Cell 130 is hidden from every row, cell 140 from the even
+// rows only: the odd rows' outputs are non-finite exactly where the reference's are.
+TEST_P(AttentionTest, HiddenNonFiniteVContributesNothing) {
+  for (DType dt : {DType::kF16, DType::kQ8_0, DType::kQ4_0}) {
+    for (const uint16_t bits : {uint16_t{0x7C00}, uint16_t{0x7E00}}) {
+      SCOPED_TRACE(std::string(DTypeName(dt)) + (bits == 0x7C00 ? " inf" : " nan") +
+                   " target=" + TargetNow());
+      constexpr int D = 64, Hkv = 2, G = 4, B = 16, L = 300, Hq = Hkv * G;
+      constexpr int kHiddenAll = 130, kHiddenEven = 140;
+      std::mt19937 rng(79u);
+      TestHistory h = MakeHistory(dt, D, D, Hkv, L, false, rng);
+      for (int head = 0; head < Hkv; ++head) {
+        for (int cell : {kHiddenAll, kHiddenEven}) {
+          char* row = static_cast<char*>(RowPtr(h.v, head, cell));
+          std::memcpy(dt == DType::kF16 ? row + 2 * 37 : row + BlockBytes(dt), &bits, 2);
+        }
+      }
+      std::vector<float> mask(static_cast<size_t>(L) * B, 0.0f);
+      for (int b = 0; b < B; ++b) {
+        mask[static_cast<size_t>(b) * L + kHiddenAll] = -std::numeric_limits<float>::infinity();
+        if (b % 2 == 0) {
+          mask[static_cast<size_t>(b) * L + kHiddenEven] = -std::numeric_limits<float>::infinity();
+        }
+      }
+      const TensorView mv = MakeView(mask.data(), DType::kF32, {L, B});
+      std::vector<float> q(static_cast<size_t>(D) * B * Hq);
+      std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+      for (float& x : q) x = u(rng);
+      const TensorView qv = MakeView(q.data(), DType::kF32, {D, B, Hq});
+      std::vector<float> out(q.size()), ref(q.size());
+      TensorView ov = MakeView(out.data(), DType::kF32, {D, B, Hq});
+      TensorView rv = MakeView(ref.data(), DType::kF32, {D, B, Hq});
+      kernels::AttentionKernelParams kp;
+      kp.scale = 0.125f;
+      kernels::AttentionRef(qv, h.k, h.v, mv, kp, &rv);
+      int ref_nonfinite = 0;
+      for (size_t i = 0; i < ref.size(); ++i) {
+        const bool odd_row = (i / D) % B % 2 == 1;
+        ref_nonfinite += !std::isfinite(ref[i]);
+        if (!odd_row) ASSERT_TRUE(std::isfinite(ref[i])) << i;
+      }
+      EXPECT_EQ(ref_nonfinite, (B / 2) * Hq * (dt == DType::kF16 ? 1 : 32));
+      ThreadPool pool(2);
+      for (int run = 0; run < 3; ++run) {
+        SCOPED_TRACE("run " + std::to_string(run));
+        kp.mode = run == 0 ? AttentionMode::kDecode : AttentionMode::kPrefill;
+        std::fill(out.begin(), out.end(), 12345.0f);
+        EXPECT_TRUE(kernels::Attention(qv, h.k, h.v, mv, kp,
+                                       KernelParallelFor(run == 2 ? &pool : nullptr), &ov));
+        for (size_t i = 0; i < out.size(); ++i) {
+          ASSERT_EQ(std::isnan(out[i]), std::isnan(ref[i])) << i << " out=" << out[i];
+          ASSERT_EQ(std::isinf(out[i]), std::isinf(ref[i])) << i << " out=" << out[i];
+          if (std::isfinite(ref[i])) {
+            ASSERT_NEAR(out[i], ref[i], 1e-5) << i;
+          } else if (std::isinf(ref[i])) {
+            ASSERT_EQ(out[i], ref[i]) << i;
+          }
+        }
+      }
+    }
+  }
+}
+
 // CheckCase repeats a decode run with a variant's flag only where DispatchedDecodeVariants says the
 // target implements it: it must name exactly the targets that compile each one (the tests of each
 // variant check that its flag changes the output there and nowhere else).
