@@ -50,7 +50,17 @@ Status Validate(const TensorView& q, const History& h, const AttentionParams& pa
     return Invalid("v must be [v_head_dim, kv_heads, L] or permuted [L, v_head_dim, kv_heads]");
   }
   bool perm = !fits_plain;
-  if (fits_plain && fits_perm) perm = !(v.nb[1] == k.nb[1] && v.nb[2] == k.nb[2]);
+  if (h.v_layout == VLayout::kPlain || h.v_layout == VLayout::kPermuted) {
+    perm = h.v_layout == VLayout::kPermuted;
+    if (perm ? !fits_perm : !fits_plain) {
+      return Invalid(perm ? "v_layout says permuted: v must be [L, v_head_dim, kv_heads]"
+                          : "v_layout says plain: v must be [v_head_dim, kv_heads, L]");
+    }
+  } else if (h.v_layout != VLayout::kAuto) {
+    return Invalid("v_layout is not kAuto, kPlain or kPermuted");
+  } else if (fits_plain && fits_perm) {
+    perm = !(v.nb[1] == k.nb[1] && v.nb[2] == k.nb[2]);
+  }
   const int64_t Dv = perm ? v.ne[1] : v.ne[0];
   if (Dv < 1) return Invalid("v_head_dim must be >= 1");
   if (perm && IsQuantized(v.dtype)) {

@@ -54,7 +54,10 @@ struct AttentionParams {
 //       growing/rotating cache's [D, T, H, B] view is passed per batch entry as ne = {D, H, T},
 //       nb = {nb[0], head stride, token stride}.
 //   v   plain [Dv, Hkv, L] like k, or permuted [L, Dv, Hkv] with cells packed (float dtypes
-//       only). When the shape fits both (L == Hkv == Dv), v is plain iff its strides equal k's.
+//       only). history.v_layout says which (every cache's Get sets it; a v that does not fit the
+//       layout named is kInvalidArgument). With VLayout::kAuto the shape decides, and when it
+//       fits both (L == Hkv == Dv) v is plain iff its strides equal k's: a guess, which misreads
+//       a plain V with another head_dim or dtype than K's (Dv == Hkv == L) as permuted.
 //       Any dtype: the kernels read K and V of one dtype directly; when they differ (an encoder
 //       stores what it is given), each that is not f32 is widened exactly to an f32 copy first
 //       (one more pass over it per call, in a per-thread buffer that grows to the largest shape

@@ -610,6 +610,7 @@ History CausalCacheImpl::Get() {
   const int32_t len = hist_max_ - hist_min_ + 1;
   h.mask = MaskView();
   h.mask_index = &mask_index_;
+  h.v_layout = config_.permuted_v ? VLayout::kPermuted : VLayout::kPlain;
   if (layer_ >= 0 && layer_ < static_cast<int>(layers_.size()) && layers_[layer_].allocated) {
     const LayerStorage& layer = layers_[layer_];
     h.k = CellBlockView(layer.k_layout, layer.k, hist_min_, len);

@@ -270,6 +270,7 @@ class EncoderCacheImpl final : public EncoderCache {
     if (!ls.has_view) return h;
     h.k = ls.k_view;
     h.v = ls.v_view;
+    h.v_layout = config_.permuted_v ? VLayout::kPermuted : VLayout::kPlain;
     // SEMANTICS.md §9: data null until cached. The shapes stay (a reserve pass's sizing reads
     // them); a reserve pass's zeros and a removed image's rows are not the encoder output.
     if (!slot.cached) h.k.data = h.v.data = nullptr;

@@ -73,10 +73,14 @@ kvc_tensor kvc_make_tensor(void* data, kvc_dtype dtype, int dims, const int64_t*
  * mask_index: the cache's memo of the mask's visible cells (kv::History::mask_index), through
  * which kvc_attend reads the mask once per forward pass instead of once per layer. In a history
  * built by hand: NULL, or a kvc_mask_index of your own (below); set it to NULL when you replace
- * the mask of a kvc_get history with another. */
+ * the mask of a kvc_get history with another. v_layout (kv::VLayout): which of V's layouts v is;
+ * kvc_get sets KVC_V_PLAIN or KVC_V_PERMUTED. kvc_attend takes it when v's shape fits the layout
+ * named, and otherwise (KVC_V_AUTO, any other value) tells by shape as core/attend.h says. */
+typedef enum kvc_v_layout { KVC_V_AUTO = 0, KVC_V_PLAIN = 1, KVC_V_PERMUTED = 2 } kvc_v_layout;
 typedef struct kvc_history {
   kvc_tensor k, v, mask;
   void* mask_index;
+  kvc_v_layout v_layout;
 } kvc_history;
 
 /* The message of the last failing call on this thread ("" if none yet). Never NULL. */

@@ -39,12 +39,30 @@ inline kvc_tensor ViewToC(const TensorView& v) {
   return t;
 }
 
+static_assert(KVC_V_AUTO == static_cast<int>(VLayout::kAuto) &&
+              KVC_V_PLAIN == static_cast<int>(VLayout::kPlain) &&
+              KVC_V_PERMUTED == static_cast<int>(VLayout::kPermuted));
+
+// C code written before kvc_history had v_layout fills the struct field by field and leaves it
+// indeterminate: a layout is taken only when it is one of the two and v's shape fits it, anything
+// else is KVC_V_AUTO. So such code reads V as before, and kvc_get's histories as they are.
+inline VLayout VLayoutFromC(const kvc_history& h) {
+  const int layout = static_cast<int>(h.v_layout);
+  const bool fits_plain = h.v.ne[1] == h.k.ne[1] && h.v.ne[2] == h.k.ne[2];
+  const bool fits_permuted = h.v.ne[0] == h.k.ne[2] && h.v.ne[2] == h.k.ne[1];
+  if (layout == KVC_V_PLAIN && fits_plain) return VLayout::kPlain;
+  if (layout == KVC_V_PERMUTED && fits_permuted) return VLayout::kPermuted;
+  return VLayout::kAuto;
+}
+
 inline History HistoryFromC(const kvc_history& h) {
-  return {ViewFromC(h.k), ViewFromC(h.v), ViewFromC(h.mask), static_cast<MaskIndex*>(h.mask_index)};
+  return {ViewFromC(h.k), ViewFromC(h.v), ViewFromC(h.mask), static_cast<MaskIndex*>(h.mask_index),
+          VLayoutFromC(h)};
 }
 
 inline kvc_history HistoryToC(const History& h) {
-  return {ViewToC(h.k), ViewToC(h.v), ViewToC(h.mask), h.mask_index};
+  return {ViewToC(h.k), ViewToC(h.v), ViewToC(h.mask), h.mask_index,
+          static_cast<kvc_v_layout>(static_cast<int>(h.v_layout))};
 }
 
 // The C++ object behind a C handle, which keeps owning it (valid until the handle is freed):

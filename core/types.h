@@ -38,6 +38,12 @@ struct CacheConfig {
 
 class MaskIndex;  // core/mask_index.h
 
+// Which of History::v's two layouts it is (beyond Ollama). kAuto: Attend tells by shape (plain
+// [v_head_dim, kv_heads, L] when v.ne[2] == k.ne[2], permuted [L, v_head_dim, kv_heads] when
+// v.ne[0] == k.ne[2]), which cannot decide when v_head_dim == kv_heads == L (core/attend.h has
+// the tie rule). The caches' Get says which, so their histories are never misread.
+enum class VLayout : uint8_t { kAuto, kPlain, kPermuted };
+
 // What Get returns. mask.data == nullptr: no mask.
 struct History {
   TensorView k, v, mask;
@@ -47,6 +53,7 @@ struct History {
   // MaskIndex of its own (core/mask_index.h says how); one that takes Get's K and V with a mask
   // of its own (or changes Get's mask) sets it to null or to its own index.
   MaskIndex* mask_index = nullptr;
+  VLayout v_layout = VLayout::kAuto;  // the caches' Get sets kPlain or kPermuted
 };
 
 // Re-rotates keys after a context shift. `key` holds the K rows of n cells of layer `layer`,

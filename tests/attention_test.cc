@@ -1080,7 +1080,9 @@ TEST_P(AttentionTest, HiddenNonFiniteVContributesNothing) {
       for (size_t i = 0; i < ref.size(); ++i) {
         const bool odd_row = (i / D) % B % 2 == 1;
         ref_nonfinite += !std::isfinite(ref[i]);
-        if (!odd_row) ASSERT_TRUE(std::isfinite(ref[i])) << i;
+        if (!odd_row) {
+          ASSERT_TRUE(std::isfinite(ref[i])) << i;
+        }
       }
       EXPECT_EQ(ref_nonfinite, (B / 2) * Hq * (dt == DType::kF16 ? 1 : 32));
       ThreadPool pool(2);
@@ -2418,6 +2420,75 @@ namespace {
 // Histories from the real caches: several sequences interleaved in one cell table (other
 // sequences' cells and padding cells masked), sliding window, chunked attention, both V layouts,
 // prefill then decode steps; Attend (1 thread, a pool, a caller's parallel-for) vs the reference.
+// V's shape fits both layouts when v_head_dim == kv_heads == L. A cache's Get names its layout
+// (History::v_layout), so Attend reads a plain V with another head_dim than K's as plain; by
+// shape alone (VLayout::kAuto) it guessed permuted there, because the strides differ from K's
+// (found by an audit). A layout that v does not fit is refused.
+TEST(AttendTest, CacheHistoriesNameTheirVLayout) {
+  constexpr int D = 64, Dv = 4, Hkv = 4, L = 4, G = 2, Hq = Hkv * G;
+  std::mt19937 rng(123);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  for (bool permuted : {false, true}) {
+    SCOPED_TRACE(permuted ? "permuted V" : "plain V");
+    std::unique_ptr<CausalCache> cache = NewCausalCache();
+    CacheConfig cc;
+    cc.permuted_v = permuted;
+    ASSERT_TRUE(cache->SetConfig(cc).ok());
+    ASSERT_TRUE(cache->Init(DType::kF32, 1, 16, L).ok());
+    const int32_t pos[L] = {0, 1, 2, 3}, seq[L] = {0, 0, 0, 0};
+    ASSERT_TRUE(cache->StartForward(Batch{pos, seq, {}}, false).ok());
+    cache->SetLayer(0);
+    std::vector<float> k(static_cast<size_t>(D) * Hkv * L), v(static_cast<size_t>(Dv) * Hkv * L),
+        q(static_cast<size_t>(D) * L * Hq);
+    for (float& x : k) x = u(rng);
+    for (float& x : v) x = u(rng);
+    for (float& x : q) x = u(rng);
+    ASSERT_TRUE(cache
+                    ->Put(MakeView(k.data(), DType::kF32, {D, Hkv, L}),
+                          MakeView(v.data(), DType::kF32, {Dv, Hkv, L}))
+                    .ok());
+    History h = cache->Get();
+    ASSERT_EQ(h.v_layout, permuted ? VLayout::kPermuted : VLayout::kPlain);
+    ASSERT_EQ(h.v.ne[0], 4);
+    ASSERT_EQ(h.v.ne[1], 4);
+    ASSERT_EQ(h.v.ne[2], 4);  // fits both layouts
+    std::vector<float> out(static_cast<size_t>(Dv) * L * Hq), ref(out.size());
+    const TensorView qv = MakeView(q.data(), DType::kF32, {D, L, Hq});
+    TensorView ov = MakeView(out.data(), DType::kF32, {Dv, L, Hq});
+    TensorView rv = MakeView(ref.data(), DType::kF32, {Dv, L, Hq});
+    kernels::AttentionKernelParams kp;
+    kp.scale = 0.125f;
+    kp.v_permuted = permuted;
+    kernels::AttentionRef(qv, h.k, h.v, h.mask, kp, &rv);
+    ASSERT_TRUE(Attend(qv, h, AttentionParams{}, &ov).ok());
+    for (size_t i = 0; i < out.size(); ++i) ASSERT_NEAR(out[i], ref[i], 2e-6) << i;
+    // The value the reference reads differs from the other layout's (else the test shows nothing).
+    std::vector<float> other(out.size());
+    TensorView otv = MakeView(other.data(), DType::kF32, {Dv, L, Hq});
+    kp.v_permuted = !permuted;
+    kernels::AttentionRef(qv, h.k, h.v, h.mask, kp, &otv);
+    float diff = 0;
+    for (size_t i = 0; i < out.size(); ++i) diff = std::max(diff, std::fabs(other[i] - ref[i]));
+    EXPECT_GT(diff, 1e-2f);
+  }
+  // A layout that v does not fit, or a value that is no layout: kInvalidArgument, out untouched.
+  std::vector<float> k(64 * 2 * 3, 0.5f), v(32 * 2 * 3, 0.25f), q(64 * 1 * 2, 1.0f),
+      out(32 * 1 * 2, 7.0f);
+  History h;
+  h.k = MakeView(k.data(), DType::kF32, {64, 2, 3});
+  h.v = MakeView(v.data(), DType::kF32, {32, 2, 3});  // plain only
+  TensorView ov = MakeView(out.data(), DType::kF32, {32, 1, 2});
+  const TensorView qv = MakeView(q.data(), DType::kF32, {64, 1, 2});
+  h.v_layout = VLayout::kPermuted;
+  EXPECT_EQ(Attend(qv, h, AttentionParams{}, &ov).code(), Code::kInvalidArgument);
+  h.v_layout = static_cast<VLayout>(9);
+  EXPECT_EQ(Attend(qv, h, AttentionParams{}, &ov).code(), Code::kInvalidArgument);
+  for (float x : out) ASSERT_EQ(x, 7.0f);
+  h.v_layout = VLayout::kPlain;
+  EXPECT_TRUE(Attend(qv, h, AttentionParams{}, &ov).ok());
+  for (float x : out) ASSERT_NEAR(x, 0.25f, 1e-6f);
+}
+
 TEST(AttendTest, RealCacheHistories) {
   struct Config {
     const char* name;

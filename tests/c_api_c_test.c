@@ -83,6 +83,7 @@ static void TestSlidingWindowWorkedExample(void) {
   char mask[64];
   CHECK_OK(kvc_get(c, &h));
   CHECK(h.k.ne[2] == 4 && h.mask.ne[0] == 4 && h.mask.ne[1] == 4);
+  CHECK(h.v_layout == KVC_V_PLAIN);
   MaskString(&h, mask);
   CHECK(strcmp(mask, "0xxx/00xx/x00x/xx00") == 0);
 
@@ -328,6 +329,7 @@ static void TestHandBuiltMaskIndex(void) {
   h.v = kvc_make_tensor(v, KVC_F32, 3, kv_ne);
   h.mask = kvc_make_tensor(mask, KVC_F32, 2, mask_ne);
   h.mask_index = NULL;
+  h.v_layout = KVC_V_AUTO;
   kvc_history hi = h;
   kvc_mask_index* index = kvc_mask_index_new(kCells, kRows);
   CHECK(index != NULL);
@@ -337,6 +339,17 @@ static void TestHandBuiltMaskIndex(void) {
   kvc_tensor it = kvc_make_tensor(indexed, KVC_F32, 3, q_ne);
   CHECK_OK(kvc_attend(&qt, &h, NULL, &pt, NULL));
   memcpy(first, plain, sizeof(first));
+  /* Code written before v_layout existed leaves it indeterminate: a value that is not a layout,
+   * or a layout v's shape does not fit ([kD, kHeads, kCells] is not [L, Dv, Hkv]), reads as
+   * KVC_V_AUTO. */
+  for (int value = 0; value < 3; ++value) {
+    kvc_history stale = h;
+    stale.v_layout = value == 0 ? (kvc_v_layout)77 : value == 1 ? KVC_V_PERMUTED : KVC_V_PLAIN;
+    memset(indexed, 0, sizeof(indexed));
+    kvc_tensor st = kvc_make_tensor(indexed, KVC_F32, 3, q_ne);
+    CHECK_OK(kvc_attend(&qt, &stale, NULL, &st, NULL));
+    CHECK(memcmp(indexed, plain, sizeof(plain)) == 0);
+  }
   for (int layer = 0; layer < 3; ++layer) {
     memset(indexed, 0, sizeof(indexed));
     CHECK_OK(kvc_attend(&qt, &hi, NULL, &it, NULL));
