@@ -52,7 +52,7 @@ struct AttentionParams {
 //   q   [D, B, Hq] f32, dim 0 packed; out [Dv, B, Hq] f32, dim 0 packed; other strides free.
 //   k   [D, Hkv, L], rows packed along dim 0, nb[1] (head stride) and nb[2] (cell stride) free. A
 //       growing/rotating cache's [D, T, H, B] view is passed per batch entry as ne = {D, H, T},
-//       nb = {nb[0], head stride, token stride}.
+//       nb = {nb[0], head stride, token stride}, its V the same way with v_layout = kPlain.
 //   v   plain [Dv, Hkv, L] like k, or permuted [L, Dv, Hkv] with cells packed (float dtypes
 //       only). history.v_layout says which (every cache's Get sets it; a v that does not fit the
 //       layout named is kInvalidArgument). With VLayout::kAuto the shape decides, and when it
