@@ -80,7 +80,7 @@ typedef enum kvc_v_layout { KVC_V_AUTO = 0, KVC_V_PLAIN = 1, KVC_V_PERMUTED = 2 
 typedef struct kvc_history {
   kvc_tensor k, v, mask;
   void* mask_index;
-  kvc_v_layout v_layout;
+  int32_t v_layout; /* a kvc_v_layout; an int, so that any value a caller leaves is one */
 } kvc_history;
 
 /* The message of the last failing call on this thread ("" if none yet). Never NULL. */

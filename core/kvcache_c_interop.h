@@ -47,7 +47,7 @@ static_assert(KVC_V_AUTO == static_cast<int>(VLayout::kAuto) &&
 // indeterminate: a layout is taken only when it is one of the two and v's shape fits it, anything
 // else is KVC_V_AUTO. So such code reads V as before, and kvc_get's histories as they are.
 inline VLayout VLayoutFromC(const kvc_history& h) {
-  const int layout = static_cast<int>(h.v_layout);
+  const int32_t layout = h.v_layout;
   const bool fits_plain = h.v.ne[1] == h.k.ne[1] && h.v.ne[2] == h.k.ne[2];
   const bool fits_permuted = h.v.ne[0] == h.k.ne[2] && h.v.ne[2] == h.k.ne[1];
   if (layout == KVC_V_PLAIN && fits_plain) return VLayout::kPlain;
@@ -62,7 +62,7 @@ inline History HistoryFromC(const kvc_history& h) {
 
 inline kvc_history HistoryToC(const History& h) {
   return {ViewToC(h.k), ViewToC(h.v), ViewToC(h.mask), h.mask_index,
-          static_cast<kvc_v_layout>(static_cast<int>(h.v_layout))};
+          static_cast<int32_t>(h.v_layout)};
 }
 
 // The C++ object behind a C handle, which keeps owning it (valid until the handle is freed):

@@ -344,7 +344,7 @@ static void TestHandBuiltMaskIndex(void) {
    * KVC_V_AUTO. */
   for (int value = 0; value < 3; ++value) {
     kvc_history stale = h;
-    stale.v_layout = value == 0 ? (kvc_v_layout)77 : value == 1 ? KVC_V_PERMUTED : KVC_V_PLAIN;
+    stale.v_layout = value == 0 ? 77 : value == 1 ? KVC_V_PERMUTED : KVC_V_PLAIN;
     memset(indexed, 0, sizeof(indexed));
     kvc_tensor st = kvc_make_tensor(indexed, KVC_F32, 3, q_ne);
     CHECK_OK(kvc_attend(&qt, &stale, NULL, &st, NULL));
