@@ -934,6 +934,17 @@ TEST_P(AttentionTest, IntegerKNonFiniteQuery) {
 // the integer passes. A NaN in a hidden cell (mask -inf) changes nothing. Before: the reference
 // zeroed such rows, decode gave finite rows for NaN (the softmax's max dropped NaN lanes by
 // position) and NaN for +inf, prefill zeros for +inf.
+// The double reference's output [Dv, B, Hq] for q [D, B, Hq] over (k, v, mask), scale 0.125.
+std::vector<float> ScaledReference(const TensorView& q, const TensorView& k, const TensorView& v,
+                                   const TensorView& mask) {
+  std::vector<float> ref(static_cast<size_t>(v.ne[0] * q.ne[1] * q.ne[2]));
+  TensorView rv = MakeView(ref.data(), DType::kF32, {v.ne[0], q.ne[1], q.ne[2]});
+  kernels::AttentionKernelParams kp;
+  kp.scale = 0.125f;
+  kernels::AttentionRef(q, k, v, mask, kp, &rv);
+  return ref;
+}
+
 TEST_P(AttentionTest, NonFiniteLogitPoisonsItsRow) {
   for (DType dt : {DType::kF16, DType::kQ8_0}) {
     for (const char* stored : {"nan", "inf"}) {
@@ -960,12 +971,11 @@ TEST_P(AttentionTest, NonFiniteLogitPoisonsItsRow) {
       for (size_t i = 0; i < q.size(); ++i)
         q[i] = i % D == kElem ? 0.1f + std::fabs(u(rng)) : u(rng);
       const TensorView qv = MakeView(q.data(), DType::kF32, {D, B, Hq});
-      std::vector<float> out(q.size()), ref(q.size());
+      const std::vector<float> ref = ScaledReference(qv, h.k, h.v, mv);
+      std::vector<float> out(q.size());
       TensorView ov = MakeView(out.data(), DType::kF32, {D, B, Hq});
-      TensorView rv = MakeView(ref.data(), DType::kF32, {D, B, Hq});
       kernels::AttentionKernelParams kp;
       kp.scale = 0.125f;
-      kernels::AttentionRef(qv, h.k, h.v, mv, kp, &rv);
       // Output [D, B, Hq]: query heads G .. 2G - 1 belong to KV head 1.
       const auto poisoned = [&](size_t i) { return static_cast<int>(i / D / B) >= G; };
       for (size_t i = 0; i < ref.size(); ++i) {
@@ -1070,12 +1080,9 @@ TEST_P(AttentionTest, HiddenNonFiniteVContributesNothing) {
       std::uniform_real_distribution<float> u(-1.0f, 1.0f);
       for (float& x : q) x = u(rng);
       const TensorView qv = MakeView(q.data(), DType::kF32, {D, B, Hq});
-      std::vector<float> out(q.size()), ref(q.size());
+      const std::vector<float> ref = ScaledReference(qv, h.k, h.v, mv);
+      std::vector<float> out(q.size());
       TensorView ov = MakeView(out.data(), DType::kF32, {D, B, Hq});
-      TensorView rv = MakeView(ref.data(), DType::kF32, {D, B, Hq});
-      kernels::AttentionKernelParams kp;
-      kp.scale = 0.125f;
-      kernels::AttentionRef(qv, h.k, h.v, mv, kp, &rv);
       int ref_nonfinite = 0;
       for (size_t i = 0; i < ref.size(); ++i) {
         const bool odd_row = (i / D) % B % 2 == 1;
@@ -1088,6 +1095,8 @@ TEST_P(AttentionTest, HiddenNonFiniteVContributesNothing) {
       ThreadPool pool(2);
       for (int run = 0; run < 3; ++run) {
         SCOPED_TRACE("run " + std::to_string(run));
+        kernels::AttentionKernelParams kp;
+        kp.scale = 0.125f;
         kp.mode = run == 0 ? AttentionMode::kDecode : AttentionMode::kPrefill;
         std::fill(out.begin(), out.end(), 12345.0f);
         EXPECT_TRUE(kernels::Attention(qv, h.k, h.v, mv, kp,
@@ -2420,6 +2429,20 @@ namespace {
 // Histories from the real caches: several sequences interleaved in one cell table (other
 // sequences' cells and padding cells masked), sliding window, chunked attention, both V layouts,
 // prefill then decode steps; Attend (1 thread, a pool, a caller's parallel-for) vs the reference.
+// Puts K [D, Hkv, n] and V [Dv, Hkv, n], f32 drawn from [-1, 1), into the cache's current layer,
+// and draws a query [D, n, Hq] into *q.
+Status PutRandomKV(Cache* cache, int D, int Dv, int Hkv, int n, int Hq, std::mt19937& rng,
+                   std::vector<float>* q) {
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  std::vector<float> k(static_cast<size_t>(D) * Hkv * n), v(static_cast<size_t>(Dv) * Hkv * n);
+  q->resize(static_cast<size_t>(D) * n * Hq);
+  for (float& x : k) x = u(rng);
+  for (float& x : v) x = u(rng);
+  for (float& x : *q) x = u(rng);
+  return cache->Put(MakeView(k.data(), DType::kF32, {D, Hkv, n}),
+                    MakeView(v.data(), DType::kF32, {Dv, Hkv, n}));
+}
+
 // V's shape fits both layouts when v_head_dim == kv_heads == L. A cache's Get names its layout
 // (History::v_layout), so Attend reads a plain V with another head_dim than K's as plain; by
 // shape alone (VLayout::kAuto) it guessed permuted there, because the strides differ from K's
@@ -2427,7 +2450,6 @@ namespace {
 TEST(AttendTest, CacheHistoriesNameTheirVLayout) {
   constexpr int D = 64, Dv = 4, Hkv = 4, L = 4, G = 2, Hq = Hkv * G;
   std::mt19937 rng(123);
-  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
   for (bool permuted : {false, true}) {
     SCOPED_TRACE(permuted ? "permuted V" : "plain V");
     std::unique_ptr<CausalCache> cache = NewCausalCache();
@@ -2438,15 +2460,8 @@ TEST(AttendTest, CacheHistoriesNameTheirVLayout) {
     const int32_t pos[L] = {0, 1, 2, 3}, seq[L] = {0, 0, 0, 0};
     ASSERT_TRUE(cache->StartForward(Batch{pos, seq, {}}, false).ok());
     cache->SetLayer(0);
-    std::vector<float> k(static_cast<size_t>(D) * Hkv * L), v(static_cast<size_t>(Dv) * Hkv * L),
-        q(static_cast<size_t>(D) * L * Hq);
-    for (float& x : k) x = u(rng);
-    for (float& x : v) x = u(rng);
-    for (float& x : q) x = u(rng);
-    ASSERT_TRUE(cache
-                    ->Put(MakeView(k.data(), DType::kF32, {D, Hkv, L}),
-                          MakeView(v.data(), DType::kF32, {Dv, Hkv, L}))
-                    .ok());
+    std::vector<float> q;
+    ASSERT_TRUE(PutRandomKV(cache.get(), D, Dv, Hkv, L, Hq, rng, &q).ok());
     History h = cache->Get();
     ASSERT_EQ(h.v_layout, permuted ? VLayout::kPermuted : VLayout::kPlain);
     ASSERT_EQ(h.v.ne[0], 4);
@@ -2513,7 +2528,6 @@ TEST(AttendTest, RealCacheHistories) {
     for (int64_t i = n - 1; i >= 0; --i) task(ctx, i);
   };
   std::mt19937 rng(99);
-  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
   for (const Config& cfg : configs) {
     SCOPED_TRACE(cfg.name);
     std::unique_ptr<CausalCache> cache = cfg.make();
@@ -2536,15 +2550,8 @@ TEST(AttendTest, RealCacheHistories) {
       batch.sequences = seq;
       ASSERT_TRUE(cache->StartForward(batch, false).ok());
       cache->SetLayer(0);
-      std::vector<float> k(static_cast<size_t>(D) * Hkv * n), v(k.size()),
-          q(static_cast<size_t>(D) * n * Hq);
-      for (float& x : k) x = u(rng);
-      for (float& x : v) x = u(rng);
-      for (float& x : q) x = u(rng);
-      ASSERT_TRUE(cache
-                      ->Put(MakeView(k.data(), DType::kF32, {D, Hkv, n}),
-                            MakeView(v.data(), DType::kF32, {D, Hkv, n}))
-                      .ok());
+      std::vector<float> q;
+      ASSERT_TRUE(PutRandomKV(cache.get(), D, D, Hkv, n, Hq, rng, &q).ok());
       const History h = cache->Get();
       std::vector<float> out(static_cast<size_t>(D) * n * Hq), ref(out.size());
       TensorView qv = MakeView(q.data(), DType::kF32, {D, n, Hq});
