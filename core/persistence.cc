@@ -632,18 +632,18 @@ Status LoadCache(std::span<const uint8_t> bytes, WrapperCache* cache, int seq) {
     return Status::Error(Code::kInvalidArgument, "load: stream has %u children, cache has %d", n,
                          cache->NumChildren());
   }
-  // Back every child up first: a child without persistence refuses here, before any change.
-  // Then ask every child about its stream: a child that would refuse it refuses before any child
-  // has changed (not even its forward pass).
-  std::vector<std::vector<uint8_t>> backups(n);
+  // Ask every child about its stream first: a child that would refuse it refuses before any
+  // child has changed (not even its forward pass), and before any backup is written. Then back
+  // every child up: a child without persistence refuses there, still before any change.
   for (uint32_t i = 0; i < n; ++i) {
     if (cache->Child(static_cast<int>(i)) == nullptr)
       return Status::Error(Code::kInvalidArgument, "load: child %u is null", i);
-    Status s = cache->Child(static_cast<int>(i))->Serialize(&backups[i], -1);
+    Status s = cache->Child(static_cast<int>(i))->CheckDeserialize(spans[i], seq);
     if (!s.ok()) return Status::Error(s.code(), "load: child %u: %s", i, s.message());
   }
+  std::vector<std::vector<uint8_t>> backups(n);
   for (uint32_t i = 0; i < n; ++i) {
-    Status s = cache->Child(static_cast<int>(i))->CheckDeserialize(spans[i], seq);
+    Status s = cache->Child(static_cast<int>(i))->Serialize(&backups[i], -1);
     if (!s.ok()) return Status::Error(s.code(), "load: child %u: %s", i, s.message());
   }
   for (uint32_t i = 0; i < n; ++i) {

@@ -80,10 +80,10 @@
 // Wrapper caches (the WrapperCache overloads below; stream kind 3): a u32 child count, then per
 // child a u64 byte count and that child's own stream. Every child must support persistence (a
 // hand-written child without it: kNotSupported before anything changes); seq applies to every
-// child. A load validates the outer stream, backs every child up in memory, asks every child
-// whether it would accept its stream (Cache::CheckDeserialize: everything but the allocation), so
-// that a malformed, incompatible or too-large child stream changes no child, not even its forward
-// pass, and then loads the children in order; if child i still fails (out of memory), children
+// child. A load validates the outer stream, asks every child whether it would accept its stream
+// (Cache::CheckDeserialize: everything but the allocation), so that a malformed, incompatible or
+// too-large child stream changes no child, not even its forward pass, backs every child up in
+// memory, and then loads the children in order; if child i still fails (out of memory), children
 // 0..i-1 are restored from their backups (contents as before; their current forward pass is
 // dropped, and storage they allocated stays allocated, zeroed or unused). Through a plain Cache& a
 // wrapper is kNotSupported; call these overloads with the WrapperCache type.
