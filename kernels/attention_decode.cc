@@ -289,7 +289,7 @@ HWY_INLINE void AccumQuant(DF df, const char* vrow0, size_t vstride, int64_t n, 
   constexpr int64_t kC1 = 32 / static_cast<int64_t>(kN) < kC ? 32 / static_cast<int64_t>(kN) : kC;
   next_k.Spread(
       n * ((Dv / 32 / kBlocks) * QuantGroupWalks(kC) + (Dv / 32 % kBlocks) * QuantGroupWalks(kC1)));
-  const auto groups = [&]<bool kScaleWeights>(const float* vd) {
+  const auto groups = [&]<bool kScaleWeights>(const float* vd) KV_INLINE_LAMBDA {
     int64_t blk = 0;
     for (; blk + kBlocks <= Dv / 32; blk += kBlocks) {
       AccumQuantGroup<T, kG, kC, kScaleWeights>(df, vrow0, vstride, n, blk, p, p_stride, vd, acc,
@@ -991,7 +991,7 @@ HWY_INLINE bool IntDotHeads16(const char* krow0, size_t kstride, const int8_t* q
   // Byte offsets of rows 0..15 for the scales' gather (the caller keeps 15 * kstride < 2^31).
   const __m512i row_offsets = RowOffsets16(kstride);
   const __m512i offset_codes = _mm512_set1_epi8(static_cast<char>(0x80));
-  const auto codes = [&](int64_t r, int64_t blk) {
+  const auto codes = [&](int64_t r, int64_t blk) KV_INLINE_LAMBDA {
     return reinterpret_cast<const __m256i*>(krow0 + static_cast<size_t>(r) * kstride +
                                             static_cast<size_t>(blk) * BlockBytes(DType::kQ8_0) +
                                             2);
@@ -1036,7 +1036,7 @@ HWY_INLINE bool IntDotHeads16(const char* krow0, size_t kstride, const int8_t* q
     // call at head_dim 64, 1.02-1.03x at 128; 8 heads the same; from DRAM no change measured.
     // Everything is unrolled, or GCC keeps the accumulators on the stack (a load, a vpdpbusd and
     // a store each; perf: ~9% of a q8_0 call in cache, before).
-    const auto quad = [&]<int kQ, int kH0>() {
+    const auto quad = [&]<int kQ, int kH0>() KV_INLINE_LAMBDA {
       constexpr int kPlanes = kWide ? 3 : 2;  // the query's bytes: high (middle) low
       constexpr int64_t kQBytes = kWide ? kQBytesPerBlock24 : kQBytesPerBlock;
       const int8_t* qblk = qb + kH0 * qb_stride + blk * kQBytes;
@@ -1327,7 +1327,7 @@ HWY_NOINLINE void DecodeCells(const Ctx& c, int64_t h, int64_t b, int64_t g0, in
     v_rows = LineCursor::Over(vrow(kp.v_ready), kPermV ? vrow(0) : vrow(n), n, l2);
   }
   const bool rows_only = kp.rows_only;
-  const auto prefetch_row = [&] {
+  const auto prefetch_row = [&]() KV_INLINE_LAMBDA {
     if (rows_only) {
       v_own.Issue();
       k_own.Issue();
@@ -1347,7 +1347,7 @@ HWY_NOINLINE void DecodeCells(const Ctx& c, int64_t h, int64_t b, int64_t g0, in
     for (int g = 0; g < kG && use_int; ++g) use_int = !std::isnan(q.step[g0 + g]);
     static_assert(kG <= 8, "IntDotHeads4 serves up to 8 heads");
     // Rows [j, j + rows) with a non-finite block scale: their f32 logits, as the reference has.
-    const auto f32_logits = [&](int64_t j, int64_t rows) {
+    const auto f32_logits = [&](int64_t j, int64_t rows) KV_INLINE_LAMBDA {
       for (int64_t r = j; r < j + rows; ++r) {
         DotHeads<T, kG>(df, kbase + static_cast<size_t>(c0 + r) * kst, qs + g0 * c.Dp, c.Dp, c.D,
                         &s[0][r], kBlockCells + kRowPad);
@@ -1472,7 +1472,7 @@ HWY_INLINE void DecodeCellsAllHeads(const Ctx& c, int64_t h, int64_t b, int64_t 
                                     int64_t n_rows = 1) {
   const int64_t heads = n_rows * c.G;
   int64_t g = 0;
-  const auto next_kp = [&] {
+  const auto next_kp = [&]() KV_INLINE_LAMBDA {
     const KPrefetch first = kp;
     kp = KPrefetch{n, n, 0, 0};
     return first;

@@ -19,6 +19,15 @@
 #include "kernels/grow_buffer.h"
 #include "layouts/quant.h"
 
+// Marks a lambda inside a kernel's loops as always inlined: `[&](int64_t r) KV_INLINE_LAMBDA {`.
+// GCC inlines these lambdas on its own; clang 14 leaves some as calls (decode's quantized V and
+// integer K passes), whose accumulators then make a round trip through memory per call.
+#if defined(__GNUC__) || defined(__clang__)
+#define KV_INLINE_LAMBDA __attribute__((always_inline))
+#else
+#define KV_INLINE_LAMBDA
+#endif
+
 namespace kv::kernels {
 namespace attn {
 
