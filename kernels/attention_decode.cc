@@ -1347,7 +1347,7 @@ HWY_NOINLINE void DecodeCells(const Ctx& c, int64_t h, int64_t b, int64_t g0, in
     for (int g = 0; g < kG && use_int; ++g) use_int = !std::isnan(q.step[g0 + g]);
     static_assert(kG <= 8, "IntDotHeads4 serves up to 8 heads");
     // Rows [j, j + rows) with a non-finite block scale: their f32 logits, as the reference has.
-    const auto f32_logits = [&](int64_t j, int64_t rows) KV_INLINE_LAMBDA {
+    const auto f32_logits = [&](int64_t j, int64_t rows) {
       for (int64_t r = j; r < j + rows; ++r) {
         DotHeads<T, kG>(df, kbase + static_cast<size_t>(c0 + r) * kst, qs + g0 * c.Dp, c.Dp, c.D,
                         &s[0][r], kBlockCells + kRowPad);
@@ -1472,7 +1472,7 @@ HWY_INLINE void DecodeCellsAllHeads(const Ctx& c, int64_t h, int64_t b, int64_t 
                                     int64_t n_rows = 1) {
   const int64_t heads = n_rows * c.G;
   int64_t g = 0;
-  const auto next_kp = [&]() KV_INLINE_LAMBDA {
+  const auto next_kp = [&] {
     const KPrefetch first = kp;
     kp = KPrefetch{n, n, 0, 0};
     return first;
