@@ -6,9 +6,11 @@
 // `#pragma GCC optimize("fp-contract=off")` does not stop it. An empty asm that "modifies" the
 // register hides the value from the optimizer at no run-time cost. Only x86 targets with FMA
 // instructions (AVX2 and up) need it; SSE4, SSSE3 and SCALAR have none, so there it is a no-op
-// (which also keeps clang happy: it rejects tied memory operands on non-register types). On
-// aarch64, where every target and the scalar references have FMA, the whole project is built with
-// -ffp-contract=off instead (CMakeLists.txt), and this is a no-op too.
+// (which also keeps clang happy: it rejects tied memory operands on non-register types). Since
+// session 40 the project is compiled with -ffp-contract=off on every platform (CMakeLists.txt),
+// which covers the references as well; the barrier stays so that these kernels keep their promise
+// when built by other means (another build system, flags that override ours). On aarch64 it is a
+// no-op.
 //
 // Include inside a Highway per-target translation unit, after hwy/highway.h.
 #if defined(KVCACHE_KERNELS_FP_BARRIER_INL_H_) == defined(HWY_TARGET_TOGGLE)
