@@ -773,8 +773,10 @@ TEST_P(AttentionTest, IntegerVTinyValues) {
     const float vmax = 0x1p-10f;
     for (int hh = 0; hh < Hkv; ++hh) {
       for (int j = 0; j < L; ++j) {
-        std::vector<float> row(&h.vf[(static_cast<size_t>(hh) * L + j) * D],
-                               &h.vf[(static_cast<size_t>(hh) * L + j + 1) * D]);
+        // Pointers, not &vf[end]: the last row's end is one past the vector (_GLIBCXX_ASSERTIONS
+        // aborted on its operator[]).
+        const float* first = h.vf.data() + (static_cast<size_t>(hh) * L + j) * D;
+        std::vector<float> row(first, first + D);
         for (float& x : row) x *= vmax;
         StoreRowFromF32(row.data(), D, dt, RowPtr(h.v, hh, j));
       }
