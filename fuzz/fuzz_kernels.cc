@@ -4,12 +4,8 @@
 // Byte 0 picks the target, byte 1 the kernel, the rest are shapes, parameters and raw data.
 // Contracts checked: bit-exact for convert, mask and rope (kernels/*.h say so; NaN payloads may
 // differ, NaN-ness may not); attention within the bound of tests/attention_test.cc.
-// The targets include AVX3_DL, which both attention kernel units (kernels/attention*.cc) compile
-// (its integer V pass); the other kernels do not, and run their SCALAR code when it is picked
-// (Highway's fallback).
-#ifndef HWY_WANT_AVX3_DL
-#define HWY_WANT_AVX3_DL
-#endif
+// The targets include AVX3_DL, which every kernel unit compiles (kernels/highway_targets.h): the
+// attention kernels' integer passes run only there.
 #include <cmath>
 #include <cstring>
 #include <limits>

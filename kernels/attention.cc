@@ -13,12 +13,6 @@
 // row that Attention() records while it scans the mask; a second bitmap marks the granules whose
 // cells are all visible with a mask value of +-0, where a tile's scores need no mask at all. The
 // online softmax runs four query rows at a time, their maxes and sums reduced together.
-//
-// AVX3_DL is compiled here as in attention_decode.cc, so that forcing one target (the tests do)
-// runs both halves on it.
-#ifndef HWY_WANT_AVX3_DL
-#define HWY_WANT_AVX3_DL
-#endif
 #include "kernels/attention.h"
 
 #include <algorithm>
@@ -35,6 +29,7 @@
 #endif
 
 #include "kernels/attention_internal.h"
+#include "kernels/highway_targets.h"
 
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "kernels/attention.cc"

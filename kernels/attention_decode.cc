@@ -33,12 +33,8 @@
 // gaps). Every measurement behind these choices, and every alternative tried and dropped, is in
 // perf/HISTORY.md ("Kernel notes"); read it before trying to make decode faster.
 //
-// AVX3_DL (AVX-512 with VNNI) is compiled too: the integer V and K passes use its vpdpwssd and
-// vpdpbusd.
-// Highway 1.0.3 leaves the target out unless asked; it must be asked before any Highway header.
-#ifndef HWY_WANT_AVX3_DL
-#define HWY_WANT_AVX3_DL
-#endif
+// AVX3_DL (AVX-512 with VNNI) is compiled too, as in every Highway unit
+// (kernels/highway_targets.h): the integer V and K passes use its vpdpwssd and vpdpbusd.
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
@@ -47,6 +43,7 @@
 #include <limits>
 
 #include "kernels/attention_internal.h"
+#include "kernels/highway_targets.h"
 
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "kernels/attention_decode.cc"

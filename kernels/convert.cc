@@ -31,6 +31,7 @@
 #include "kernels/convert.h"
 #include "kernels/f16-inl.h"
 #include "kernels/fp_barrier-inl.h"
+#include "kernels/highway_targets.h"
 #include "layouts/quant.h"
 
 HWY_BEFORE_NAMESPACE();
@@ -299,7 +300,15 @@ HWY_INLINE hn::Mask<DF> SubnormalScale(hn::Vec<DF> d) {
 HWY_INLINE hn::Vec<hn::Rebind<uint8_t, DF>> LowByte(hn::Vec<DF> t) {
   const DF df;
   const auto bits = hn::BitCast(DU32(), hn::Add(t, hn::Set(df, 12582912.0f)));
+#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
+  // vpmovdb keeps the low byte of each 32-bit lane. Not hn::TruncateTo: Highway 1.0.3's
+  // u32 -> u8 TruncateTo of a 512-bit vector on AVX3_DL permutes 32-bit lanes (vpermd) with byte
+  // indices meant for vpermb, and returns lanes 0, 4, 8, 12 whole instead of 16 low bytes.
+  static_assert(hn::MaxLanes(DF()) == 16, "one 512-bit vector");
+  return hn::Vec<hn::Rebind<uint8_t, DF>>{_mm512_cvtepi32_epi8(bits.raw)};
+#else
   return hn::TruncateTo(hn::Rebind<uint8_t, DF>(), bits);
+#endif
 }
 
 template <class S, class Quantize>

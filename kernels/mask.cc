@@ -24,6 +24,7 @@
 
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
 #include "hwy/highway.h"
+#include "kernels/highway_targets.h"
 
 HWY_BEFORE_NAMESPACE();
 namespace kv::kernels {

@@ -31,6 +31,7 @@
 #include "hwy/highway.h"
 #include "kernels/convert.h"
 #include "kernels/fp_barrier-inl.h"
+#include "kernels/highway_targets.h"
 #include "layouts/dtype.h"
 
 HWY_BEFORE_NAMESPACE();

@@ -133,8 +133,7 @@ class RatioReporter : public benchmark::ConsoleReporter {
   // Ratios of CPU time per call: memcpy time / scatter time (for the same bytes this is the ratio
   // of bytes written per second; >= 1 means the scatter is as fast as the memcpy).
   void PrintRatios() const {
-    std::printf("\nratios, target %s (CPU ns per call)\n",
-                kvbench::DispatchedTargetName(HWY_TARGETS));
+    std::printf("\nratios, target %s (CPU ns per call)\n", kvbench::DispatchedTargetName());
     const double bw_ns = Get("MemcpyBandwidth/");
     const double bw = bw_ns > 0 ? static_cast<double>(kBandwidthBytes) / bw_ns : 0;  // bytes / ns
     std::printf("memcpy bandwidth (256 MiB -> 256 MiB): %.2f GB/s\n", bw);

@@ -8,11 +8,11 @@
 
 namespace kvbench {
 
-// The target HWY_DYNAMIC_DISPATCH picks in a translation unit compiled for the targets `compiled`:
-// the best (lowest bit) one this CPU supports. Pass HWY_TARGETS for a unit built like the caller;
-// the attention units also compile AVX3_DL (HWY_WANT_AVX3_DL in kernels/attention*.cc).
-inline const char* DispatchedTargetName(int64_t compiled) {
-  const int64_t t = hwy::SupportedTargets() & compiled;
+// The target HWY_DYNAMIC_DISPATCH picks in the kernels: the best (lowest bit) one this CPU supports
+// among those compiled. Every unit of the project compiles the same list (HWY_TARGETS, AVX3_DL
+// included: kernels/highway_targets.h).
+inline const char* DispatchedTargetName() {
+  const int64_t t = hwy::SupportedTargets() & HWY_TARGETS;
   return hwy::TargetName(t & -t);
 }
 

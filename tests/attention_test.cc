@@ -12,10 +12,7 @@
 // with dlogit = 4 * sqrt(D) * 2^-24 * S_max (S_max measured per case: it grows with the extreme-
 // logit cases' q). The quantized dtypes get the same bound because their stored values are what
 // both sides read; only S_max differs. Measured: worst error / tol below 0.1 on every target.
-// Every target kernels/attention*.cc compile, AVX3_DL included.
-#ifndef HWY_WANT_AVX3_DL
-#define HWY_WANT_AVX3_DL
-#endif
+// Every target the kernels compile, AVX3_DL included (kernels/highway_targets.h).
 #include "kernels/attention.h"
 
 #include <algorithm>

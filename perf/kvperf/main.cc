@@ -524,7 +524,7 @@ int main(int argc, char** argv) {
   ctx.read_bw = MeasureReadBandwidth(&pool);
 
   json report;
-  const char* attention_target = kvbench::DispatchedTargetName(HWY_TARGETS | HWY_AVX3_DL);
+  const char* attention_target = kvbench::DispatchedTargetName();
   const char* prefetch_level =
       kv::kernels::ResolvePrefetchLevel(kv::kernels::PrefetchLevel::kAuto) ==
               kv::kernels::PrefetchLevel::kL2

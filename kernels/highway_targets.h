@@ -1,0 +1,20 @@
+// The Highway target list, checked by every translation unit of kernels/ that includes Highway.
+//
+// Every unit of the project compiles the same targets: Highway 1.0.3's default list plus AVX3_DL
+// (AVX-512 with VNNI, VBMI and VBMI2: Ice Lake and later, Zen 4), which 1.0.3 leaves out unless
+// HWY_WANT_AVX3_DL is defined. The attention kernels need it (q8_0's integer K and V passes use
+// vpdpbusd / vpdpwssd). CMakeLists.txt defines it for all units.
+//
+// Why one list for all: Highway maps the chosen target to a slot of a unit's dispatch table with
+// an inline function built from the including unit's list (hwy::ChosenTarget::GetIndex).
+// Optimized code inlines it; at -O0 the linker keeps one unit's copy, and with two lists a call
+// reaches another list's slot. Until session 41 only the attention units asked for AVX3_DL, and a
+// Debug build crashed in BuildMask, which called the empty AVX3_DL slot of mask.cc's table.
+#ifndef KVCACHE_KERNELS_HIGHWAY_TARGETS_H_
+#define KVCACHE_KERNELS_HIGHWAY_TARGETS_H_
+
+#ifndef HWY_WANT_AVX3_DL
+#error "define HWY_WANT_AVX3_DL for every unit (CMakeLists.txt does): see kernels/highway_targets.h"
+#endif
+
+#endif  // KVCACHE_KERNELS_HIGHWAY_TARGETS_H_
