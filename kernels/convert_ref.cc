@@ -16,8 +16,8 @@ void RowToF32Ref(const void* src, DType src_dtype, float* dst, int64_t n) {
   LoadRowAsF32(src, n, src_dtype, dst);
 }
 
-void ScatterToCellsRef(const TensorView& src, std::span<const int32_t> cells, const CellBlockLayout& layout,
-                       void* block) {
+void ScatterToCellsRef(const TensorView& src, std::span<const int32_t> cells,
+                       const CellBlockLayout& layout, void* block) {
   const int64_t d = layout.head_dim;
   std::vector<float> row(static_cast<size_t>(d));
   char* base = static_cast<char*>(block);
@@ -30,8 +30,8 @@ void ScatterToCellsRef(const TensorView& src, std::span<const int32_t> cells, co
       }
       if (layout.cells_fastest) {
         for (int64_t i = 0; i < d; ++i) {
-          StoreFromF32(base + CellsFastestOffset(layout, cells[t], h, static_cast<int32_t>(i)), layout.dtype, 0,
-                       row[i]);
+          StoreFromF32(base + CellsFastestOffset(layout, cells[t], h, static_cast<int32_t>(i)),
+                       layout.dtype, 0, row[i]);
         }
       } else {
         StoreRowFromF32(row.data(), d, layout.dtype, base + CellRowOffset(layout, cells[t], h));

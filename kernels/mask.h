@@ -21,8 +21,9 @@ inline constexpr int32_t kNoWindow = INT32_MAX;
 
 // The history cells [first, first + n) of a cell table, as spans into its arrays.
 struct MaskCells {
-  const int32_t* pos = nullptr;       // pos[j], j < n (free cells hold any value)
-  const uint64_t* seq_bits = nullptr; // cell j holds s iff bit s % 64 of seq_bits[(s / 64) * seq_word_stride + j]
+  const int32_t* pos = nullptr;  // pos[j], j < n (free cells hold any value)
+  // Cell j holds sequence s iff bit s % 64 of seq_bits[(s / 64) * seq_word_stride + j] is set.
+  const uint64_t* seq_bits = nullptr;
   size_t seq_word_stride = 0;
   int32_t n = 0;
 };
@@ -40,10 +41,10 @@ struct MaskRules {
 };
 
 // Preconditions: tokens' spans have equal size B; seq in range of the bit table; out holds B * n.
-void BuildMask(const MaskCells& cells, const MaskTokens& tokens, const MaskRules& rules, DType mask_dtype,
-               void* out);
-void BuildMaskRef(const MaskCells& cells, const MaskTokens& tokens, const MaskRules& rules, DType mask_dtype,
-                  void* out);
+void BuildMask(const MaskCells& cells, const MaskTokens& tokens, const MaskRules& rules,
+               DType mask_dtype, void* out);
+void BuildMaskRef(const MaskCells& cells, const MaskTokens& tokens, const MaskRules& rules,
+                  DType mask_dtype, void* out);
 
 // The [lo, hi] position bounds of one token (shared by the kernel and its reference).
 struct TokenBounds {

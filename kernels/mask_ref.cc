@@ -13,7 +13,8 @@ TokenBounds ComputeTokenBounds(int32_t pos, bool causal, const MaskRules& rules)
     lo = static_cast<int64_t>(pos) - rules.window + (rules.window_inclusive ? 1 : 0);
   }
   if (rules.chunk > 0) {
-    const int64_t m = ((static_cast<int64_t>(pos) % rules.chunk) + rules.chunk) % rules.chunk;  // floor mod
+    const int64_t m =
+        ((static_cast<int64_t>(pos) % rules.chunk) + rules.chunk) % rules.chunk;  // floor mod
     lo = std::max(lo, static_cast<int64_t>(pos) - m);
   }
   lo = std::max<int64_t>(lo, std::numeric_limits<int32_t>::min());
@@ -21,8 +22,8 @@ TokenBounds ComputeTokenBounds(int32_t pos, bool causal, const MaskRules& rules)
   return TokenBounds{static_cast<int32_t>(lo), hi};
 }
 
-void BuildMaskRef(const MaskCells& cells, const MaskTokens& tokens, const MaskRules& rules, DType mask_dtype,
-                  void* out) {
+void BuildMaskRef(const MaskCells& cells, const MaskTokens& tokens, const MaskRules& rules,
+                  DType mask_dtype, void* out) {
   const float neg_inf = -std::numeric_limits<float>::infinity();
   for (size_t i = 0; i < tokens.pos.size(); ++i) {
     const int32_t s = tokens.seq[i];

@@ -24,7 +24,8 @@ struct RopeParams {
 
 // key: [head_dim, kv_heads, n] in any storage dtype (rows packed along dim 0; any nb[1], nb[2]).
 // Row i (every head) is rotated by delta[i] positions in place; delta 0 leaves it untouched.
-// Quantized rows are dequantized, rotated and re-quantized. Precondition: delta.size() == key.ne[2].
+// Quantized rows are dequantized, rotated and re-quantized.
+// Precondition: delta.size() == key.ne[2].
 void RopeShift(const TensorView& key, std::span<const int32_t> delta, const RopeParams& params);
 void RopeShiftRef(const TensorView& key, std::span<const int32_t> delta, const RopeParams& params);
 

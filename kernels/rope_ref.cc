@@ -18,8 +18,9 @@ void RopeShiftRef(const TensorView& key, std::span<const int32_t> delta, const R
       void* r = RowPtr(key, h, i);
       LoadRowAsF32(r, head_dim, key.dtype, row.data());
       for (int64_t k = 0; k < half; ++k) {
-        const double theta = static_cast<double>(params.freq_scale) *
-                             std::pow(static_cast<double>(params.base), -2.0 * static_cast<double>(k) / dims);
+        const double theta =
+            static_cast<double>(params.freq_scale) *
+            std::pow(static_cast<double>(params.base), -2.0 * static_cast<double>(k) / dims);
         const double angle = static_cast<double>(delta[i]) * theta;
         const float c = static_cast<float>(std::cos(angle));
         const float s = static_cast<float>(std::sin(angle));
