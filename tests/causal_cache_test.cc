@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <ostream>
 #include <random>
 #include <string>
 #include <vector>
@@ -671,6 +672,10 @@ struct Variant {
   const char* name;
   int32_t window, memory, chunk;
 };
+
+// GoogleTest prints a parameter without a PrintTo byte by byte, padding included (indeterminate
+// bytes: valgrind reports them).
+void PrintTo(const Variant& v, std::ostream* os) { *os << v.name; }
 
 class CausalRandomized : public ::testing::TestWithParam<Variant> {};
 

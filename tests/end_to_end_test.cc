@@ -24,6 +24,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <ostream>
 #include <string>
 #include <vector>
 
@@ -389,6 +390,12 @@ struct Param {
   int case_index;
   DType dtype;
 };
+
+// GoogleTest prints a parameter without a PrintTo byte by byte, padding included (indeterminate
+// bytes: valgrind reports them).
+void PrintTo(const Param& p, std::ostream* os) {
+  *os << "case " << p.case_index << ", " << DTypeName(p.dtype);
+}
 
 class EndToEnd : public ::testing::TestWithParam<Param> {};
 

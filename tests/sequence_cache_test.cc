@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cstring>
 #include <numeric>
+#include <ostream>
 #include <random>
 #include <string>
 #include <utility>
@@ -606,6 +607,15 @@ struct RandomCase {
   DType storage, input;
 };
 
+std::string CaseName(const RandomCase& rc) {
+  return "max" + std::to_string(rc.max_size) + "_keep" + std::to_string(rc.keep) + "_" +
+         DTypeName(rc.storage) + "_from_" + DTypeName(rc.input);
+}
+
+// GoogleTest prints a parameter without a PrintTo byte by byte, padding included (indeterminate
+// bytes: valgrind reports them).
+void PrintTo(const RandomCase& rc, std::ostream* os) { *os << CaseName(rc); }
+
 class SequenceCacheRandomTest : public ::testing::TestWithParam<RandomCase> {};
 
 TEST_P(SequenceCacheRandomTest, MatchesDequeModel) {
@@ -666,12 +676,7 @@ INSTANTIATE_TEST_SUITE_P(Configs, SequenceCacheRandomTest,
                                            RandomCase{37, 3, DType::kQ8_0, DType::kF32},
                                            RandomCase{64, 1, DType::kBF16, DType::kF16},
                                            RandomCase{300, 4, DType::kQ4_0, DType::kF32}),
-                         [](const auto& info) {
-                           return "max" + std::to_string(info.param.max_size) + "_keep" +
-                                  std::to_string(info.param.keep) + "_" +
-                                  DTypeName(info.param.storage) + "_from_" +
-                                  DTypeName(info.param.input);
-                         });
+                         [](const auto& info) { return CaseName(info.param); });
 
 }  // namespace
 }  // namespace kv
