@@ -41,21 +41,22 @@
 #include "kernels/mask.h"
 #include "layouts/kv_layout.h"
 #include "layouts/quant.h"
-
-// Counts heap allocations, to show that Attend does not allocate in steady state. (GCC flags
-// malloc/free inside replaced operators as mismatched; they are the matching pair here.)
-#pragma GCC diagnostic ignored "-Wmismatched-new-delete"
-static std::atomic<int64_t> g_allocations{0};
-void* operator new(size_t n) {
-  g_allocations.fetch_add(1, std::memory_order_relaxed);
-  if (void* p = std::malloc(n == 0 ? 1 : n)) return p;
-  std::abort();
-}
-void operator delete(void* p) noexcept { std::free(p); }
-void operator delete(void* p, size_t) noexcept { std::free(p); }
+#include "malloc_hooks.h"
 
 namespace kv {
 namespace {
+
+// Heap allocations made (by any thread) while fn runs, counted by tests/malloc_hooks.h: every
+// malloc, operator new and aligned allocation, Highway's included. Callers check
+// heap_hooks::MallocHooked() first: without the hooks nothing is counted.
+template <class Fn>
+int64_t AllocationsDuring(Fn&& fn) {
+  heap_hooks::g_allocations = 0;
+  heap_hooks::g_counting = true;
+  fn();
+  heap_hooks::g_counting = false;
+  return heap_hooks::g_allocations.load();
+}
 
 using kernels::AttentionMode;
 
@@ -1903,10 +1904,13 @@ TEST(AttendTest, MixedKVDTypesMatchTheReference) {
             for (int d = 0; d < D; ++d)
               ASSERT_EQ(out[(static_cast<size_t>(hq) * B + (B - 1)) * D + d], 0.0f);
           ++cases;
-          if (kd == DType::kQ4_0 && vd == DType::kF16 && B == 9) {
-            const int64_t before = g_allocations.load();
-            for (int i = 0; i < 3; ++i) ASSERT_TRUE(Attend(qv, hist, AttentionParams{}, &ov).ok());
-            EXPECT_EQ(g_allocations.load(), before) << "the f32 copy is reused";
+          if (kd == DType::kQ4_0 && vd == DType::kF16 && B == 9 && heap_hooks::MallocHooked()) {
+            EXPECT_EQ(AllocationsDuring([&] {
+                        for (int i = 0; i < 3; ++i)
+                          ASSERT_TRUE(Attend(qv, hist, AttentionParams{}, &ov).ok());
+                      }),
+                      0)
+                << "the f32 copy is reused";
           }
         }
       }
@@ -1932,6 +1936,8 @@ TEST(AttendTest, MixedKVDTypesMatchTheReference) {
 // After a first call of a given shape has sized the scratch, Attend allocates nothing (decode and
 // prefill, on the calling thread; pool workers keep one thread_local buffer each the same way).
 TEST(AttendTest, NoAllocationInSteadyState) {
+  if (!heap_hooks::MallocHooked())
+    GTEST_SKIP() << "malloc is not the test's own (sanitizer, valgrind)";
   std::mt19937 rng(11);
   for (int B : {1, 3, 64}) {
     TestHistory h = MakeHistory(DType::kQ8_0, 128, 128, 2, 300, false, rng);
@@ -1941,9 +1947,12 @@ TEST(AttendTest, NoAllocationInSteadyState) {
     TensorView qv = MakeView(q.data(), DType::kF32, {128, B, 8});
     TensorView ov = MakeView(out.data(), DType::kF32, {128, B, 8});
     ASSERT_TRUE(Attend(qv, hist, AttentionParams{}, &ov).ok());
-    const int64_t before = g_allocations.load();
-    for (int i = 0; i < 3; ++i) ASSERT_TRUE(Attend(qv, hist, AttentionParams{}, &ov).ok());
-    EXPECT_EQ(g_allocations.load(), before) << "B=" << B;
+    EXPECT_EQ(AllocationsDuring([&] {
+                for (int i = 0; i < 3; ++i)
+                  ASSERT_TRUE(Attend(qv, hist, AttentionParams{}, &ov).ok());
+              }),
+              0)
+        << "B=" << B;
   }
 }
 

@@ -3,7 +3,10 @@
 
 #include <malloc.h>
 
-namespace kv::testing {
+#include <cstdlib>
+#include <new>
+
+namespace kv::heap_hooks {
 
 std::atomic<bool> g_counting{false};
 std::atomic<int64_t> g_allocations{0};
@@ -21,6 +24,25 @@ void FailLargeAllocationOnThisThread(int64_t n) {
 
 bool LargeAllocationFailedOnThisThread() { return t_failed; }
 
+bool MallocHooked() {
+  if (!kMallocHooked) return false;
+  // Both entry points: valgrind leaves the executable's malloc in place but replaces the C++
+  // runtime's operator new, which then no longer reaches it.
+  static const bool hooked = [] {
+    FailLargeAllocationOnThisThread(0);
+    void* volatile p = std::malloc(kLargeAllocationBytes);  // volatile: the call is not elided
+    const bool malloc_refused = LargeAllocationFailedOnThisThread();
+    std::free(p);  // null where the hook refused it
+    FailLargeAllocationOnThisThread(0);
+    void* volatile q = ::operator new(kLargeAllocationBytes, std::nothrow);
+    const bool new_refused = LargeAllocationFailedOnThisThread();
+    ::operator delete(q);
+    FailLargeAllocationOnThisThread(-1);
+    return malloc_refused && new_refused;
+  }();
+  return hooked;
+}
+
 // True: the allocation of `bytes` is counted and must fail.
 [[maybe_unused]] static bool Hook(size_t bytes) {
   if (g_counting.load(std::memory_order_relaxed)) {
@@ -32,7 +54,7 @@ bool LargeAllocationFailedOnThisThread() { return t_failed; }
   return true;
 }
 
-}  // namespace kv::testing
+}  // namespace kv::heap_hooks
 
 #if KV_MALLOC_HOOKED
 extern "C" {
@@ -42,22 +64,24 @@ void* __libc_realloc(void*, size_t);
 void __libc_free(void*);
 void* __libc_memalign(size_t, size_t);
 
-void* malloc(size_t n) { return kv::testing::Hook(n) ? nullptr : __libc_malloc(n); }
+void* malloc(size_t n) { return kv::heap_hooks::Hook(n) ? nullptr : __libc_malloc(n); }
 void* calloc(size_t n, size_t s) {
   // n * s may overflow: __libc_calloc rejects that itself; the hook only needs a size class.
-  return kv::testing::Hook(s != 0 && n > SIZE_MAX / s ? SIZE_MAX : n * s) ? nullptr
-                                                                          : __libc_calloc(n, s);
+  return kv::heap_hooks::Hook(s != 0 && n > SIZE_MAX / s ? SIZE_MAX : n * s) ? nullptr
+                                                                             : __libc_calloc(n, s);
 }
-void* realloc(void* p, size_t n) { return kv::testing::Hook(n) ? nullptr : __libc_realloc(p, n); }
+void* realloc(void* p, size_t n) {
+  return kv::heap_hooks::Hook(n) ? nullptr : __libc_realloc(p, n);
+}
 void free(void* p) { __libc_free(p); }
 void* memalign(size_t a, size_t n) {
-  return kv::testing::Hook(n) ? nullptr : __libc_memalign(a, n);
+  return kv::heap_hooks::Hook(n) ? nullptr : __libc_memalign(a, n);
 }
 void* aligned_alloc(size_t a, size_t n) {
-  return kv::testing::Hook(n) ? nullptr : __libc_memalign(a, n);
+  return kv::heap_hooks::Hook(n) ? nullptr : __libc_memalign(a, n);
 }
 int posix_memalign(void** out, size_t a, size_t n) {
-  void* p = kv::testing::Hook(n) ? nullptr : __libc_memalign(a, n);
+  void* p = kv::heap_hooks::Hook(n) ? nullptr : __libc_memalign(a, n);
   if (p == nullptr) return 12;  // ENOMEM
   *out = p;
   return 0;

@@ -26,9 +26,16 @@
 #define KV_MALLOC_HOOKED 1
 #endif
 
-namespace kv::testing {
+namespace kv::heap_hooks {
 
 inline constexpr bool kMallocHooked = KV_MALLOC_HOOKED != 0;
+
+// Whether the hooks see the process's allocations: not in a sanitizer build (kMallocHooked), and
+// not under a tool that replaces the allocator at run time, such as valgrind. Probed once, by
+// asking the hook to refuse one large malloc and one large operator new. Tests that count or fail
+// allocations skip when it is false: without the hooks they would count nothing and pass without
+// looking.
+bool MallocHooked();
 
 // While g_counting is true, every allocation (any thread) adds one to g_allocations.
 extern std::atomic<bool> g_counting;
@@ -47,6 +54,6 @@ void FailLargeAllocationOnThisThread(int64_t n);
 // Whether the failure asked for on this thread has happened since that request.
 bool LargeAllocationFailedOnThisThread();
 
-}  // namespace kv::testing
+}  // namespace kv::heap_hooks
 
 #endif  // KVCACHE_TESTS_MALLOC_HOOKS_H_

@@ -30,17 +30,16 @@
 namespace kv {
 namespace {
 
+using heap_hooks::g_allocations;
+using heap_hooks::g_counting;
 using testing::AllCacheKinds;
 using testing::CacheKind;
 using testing::Driver;
-using testing::g_allocations;
-using testing::g_counting;
 using testing::kAllDTypes;
 
 TEST(NoAllocation, TheCounterSeesEveryKindOfAllocation) {
-#if !KV_MALLOC_HOOKED
-  GTEST_SKIP() << "sanitizer build: malloc belongs to the sanitizer";
-#endif
+  if (!heap_hooks::MallocHooked())
+    GTEST_SKIP() << "malloc is not the test's own (sanitizer, valgrind)";
   // volatile: the compiler may not elide an allocation whose pointer escapes.
   void* volatile a = nullptr;
   int* volatile b = nullptr;
@@ -166,9 +165,8 @@ int64_t MeasureDecodeOnThisThread(const CacheKind& kind, DType dtype, int thread
 }
 
 TEST(NoAllocation, SteadyStateDecodeEveryKindDTypeAndThreadCount) {
-#if !KV_MALLOC_HOOKED
-  GTEST_SKIP() << "sanitizer build: malloc belongs to the sanitizer";
-#endif
+  if (!heap_hooks::MallocHooked())
+    GTEST_SKIP() << "malloc is not the test's own (sanitizer, valgrind)";
   for (const CacheKind& kind : AllCacheKinds()) {
     for (DType dtype : kAllDTypes) {
       for (int threads : {1, 2}) {
@@ -198,9 +196,8 @@ int64_t CountDecodeAllocations(const Step& step, int max_batch, int warm_steps) 
 
 // The wrapper (SWA + causal, interleaved layers) and the rotating / growing sequence caches.
 TEST(NoAllocation, SteadyStateDecodeWrapperAndSequenceCaches) {
-#if !KV_MALLOC_HOOKED
-  GTEST_SKIP() << "sanitizer build: malloc belongs to the sanitizer";
-#endif
+  if (!heap_hooks::MallocHooked())
+    GTEST_SKIP() << "malloc is not the test's own (sanitizer, valgrind)";
   int64_t wrapper_allocs = -1, rotating_allocs = -1, growing_allocs = -1;
   bool ok = true;
   std::thread t([&] {
@@ -268,9 +265,8 @@ TEST(NoAllocation, SteadyStateDecodeWrapperAndSequenceCaches) {
 // by kvc_start_forward / kvc_put / kvc_get / kvc_attend_parallel on a 2-thread pool, warmed up as
 // above (a reserve pass, ordinary steps, and one decode-shaped Attend on each worker).
 TEST(NoAllocation, SteadyStateDecodeThroughTheCApi) {
-#if !KV_MALLOC_HOOKED
-  GTEST_SKIP() << "sanitizer build: malloc belongs to the sanitizer";
-#endif
+  if (!heap_hooks::MallocHooked())
+    GTEST_SKIP() << "malloc is not the test's own (sanitizer, valgrind)";
   int64_t allocs = -1;
   bool ok = true;
   std::thread t([&] {
@@ -332,9 +328,8 @@ TEST(NoAllocation, SteadyStateDecodeThroughTheCApi) {
 // L grew, i.e. every second decode step (50 allocations in 100 steps); it now grows
 // geometrically from a floor that covers these histories.
 TEST(NoAllocation, SteadyStateDecodeWithoutAReservePass) {
-#if !KV_MALLOC_HOOKED
-  GTEST_SKIP() << "sanitizer build: malloc belongs to the sanitizer";
-#endif
+  if (!heap_hooks::MallocHooked())
+    GTEST_SKIP() << "malloc is not the test's own (sanitizer, valgrind)";
   for (const CacheKind& kind : AllCacheKinds()) {
     for (int threads : {1, 2}) {
       bool ok = false;

@@ -202,7 +202,7 @@ struct FreshThreads {
     std::vector<std::thread> threads;
     for (int64_t i = 0; i < n; ++i) {
       threads.emplace_back([=] {
-        testing::FailLargeAllocationOnThisThread(fail ? 0 : -1);
+        heap_hooks::FailLargeAllocationOnThisThread(fail ? 0 : -1);
         task(ctx, i);
       });
     }
@@ -229,10 +229,10 @@ void ExpectAttendReportsScratchFailures(DType dtype, int64_t batch) {
     Status first;
     std::vector<float> out;
     std::thread([&] {
-      testing::FailLargeAllocationOnThisThread(n);
+      heap_hooks::FailLargeAllocationOnThisThread(n);
       first = h.Attend(&out, ParallelFor{});
-      failed = testing::LargeAllocationFailedOnThisThread();
-      testing::FailLargeAllocationOnThisThread(-1);
+      failed = heap_hooks::LargeAllocationFailedOnThisThread();
+      heap_hooks::FailLargeAllocationOnThisThread(-1);
       if (failed) retried = h.Attend(&out, ParallelFor{}).ok();
     }).join();
     if (!failed) {
@@ -261,7 +261,8 @@ void ExpectAttendReportsScratchFailures(DType dtype, int64_t batch) {
 }
 
 TEST(OutOfMemory, AttendScratchEveryAllocationSite) {
-  if (!testing::kMallocHooked) GTEST_SKIP() << "sanitizer build: malloc belongs to the sanitizer";
+  if (!heap_hooks::MallocHooked())
+    GTEST_SKIP() << "malloc is not the test's own (sanitizer, valgrind)";
   for (const int64_t target : hwy::SupportedAndGeneratedTargets()) {
     hwy::SetSupportedTargetsForTest(target);
     for (const DType dtype : {DType::kF32, DType::kF16, DType::kQ8_0}) {
