@@ -1936,8 +1936,7 @@ TEST(AttendTest, MixedKVDTypesMatchTheReference) {
 // After a first call of a given shape has sized the scratch, Attend allocates nothing (decode and
 // prefill, on the calling thread; pool workers keep one thread_local buffer each the same way).
 TEST(AttendTest, NoAllocationInSteadyState) {
-  if (!heap_hooks::MallocHooked())
-    GTEST_SKIP() << "malloc is not the test's own (sanitizer, valgrind)";
+  KV_SKIP_UNLESS_MALLOC_HOOKED();
   std::mt19937 rng(11);
   for (int B : {1, 3, 64}) {
     TestHistory h = MakeHistory(DType::kQ8_0, 128, 128, 2, 300, false, rng);

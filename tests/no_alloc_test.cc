@@ -38,8 +38,7 @@ using testing::Driver;
 using testing::kAllDTypes;
 
 TEST(NoAllocation, TheCounterSeesEveryKindOfAllocation) {
-  if (!heap_hooks::MallocHooked())
-    GTEST_SKIP() << "malloc is not the test's own (sanitizer, valgrind)";
+  KV_SKIP_UNLESS_MALLOC_HOOKED();
   // volatile: the compiler may not elide an allocation whose pointer escapes.
   void* volatile a = nullptr;
   int* volatile b = nullptr;
@@ -165,8 +164,7 @@ int64_t MeasureDecodeOnThisThread(const CacheKind& kind, DType dtype, int thread
 }
 
 TEST(NoAllocation, SteadyStateDecodeEveryKindDTypeAndThreadCount) {
-  if (!heap_hooks::MallocHooked())
-    GTEST_SKIP() << "malloc is not the test's own (sanitizer, valgrind)";
+  KV_SKIP_UNLESS_MALLOC_HOOKED();
   for (const CacheKind& kind : AllCacheKinds()) {
     for (DType dtype : kAllDTypes) {
       for (int threads : {1, 2}) {
@@ -196,8 +194,7 @@ int64_t CountDecodeAllocations(const Step& step, int max_batch, int warm_steps) 
 
 // The wrapper (SWA + causal, interleaved layers) and the rotating / growing sequence caches.
 TEST(NoAllocation, SteadyStateDecodeWrapperAndSequenceCaches) {
-  if (!heap_hooks::MallocHooked())
-    GTEST_SKIP() << "malloc is not the test's own (sanitizer, valgrind)";
+  KV_SKIP_UNLESS_MALLOC_HOOKED();
   int64_t wrapper_allocs = -1, rotating_allocs = -1, growing_allocs = -1;
   bool ok = true;
   std::thread t([&] {
@@ -265,8 +262,7 @@ TEST(NoAllocation, SteadyStateDecodeWrapperAndSequenceCaches) {
 // by kvc_start_forward / kvc_put / kvc_get / kvc_attend_parallel on a 2-thread pool, warmed up as
 // above (a reserve pass, ordinary steps, and one decode-shaped Attend on each worker).
 TEST(NoAllocation, SteadyStateDecodeThroughTheCApi) {
-  if (!heap_hooks::MallocHooked())
-    GTEST_SKIP() << "malloc is not the test's own (sanitizer, valgrind)";
+  KV_SKIP_UNLESS_MALLOC_HOOKED();
   int64_t allocs = -1;
   bool ok = true;
   std::thread t([&] {
@@ -328,8 +324,7 @@ TEST(NoAllocation, SteadyStateDecodeThroughTheCApi) {
 // L grew, i.e. every second decode step (50 allocations in 100 steps); it now grows
 // geometrically from a floor that covers these histories.
 TEST(NoAllocation, SteadyStateDecodeWithoutAReservePass) {
-  if (!heap_hooks::MallocHooked())
-    GTEST_SKIP() << "malloc is not the test's own (sanitizer, valgrind)";
+  KV_SKIP_UNLESS_MALLOC_HOOKED();
   for (const CacheKind& kind : AllCacheKinds()) {
     for (int threads : {1, 2}) {
       bool ok = false;

@@ -261,8 +261,7 @@ void ExpectAttendReportsScratchFailures(DType dtype, int64_t batch) {
 }
 
 TEST(OutOfMemory, AttendScratchEveryAllocationSite) {
-  if (!heap_hooks::MallocHooked())
-    GTEST_SKIP() << "malloc is not the test's own (sanitizer, valgrind)";
+  KV_SKIP_UNLESS_MALLOC_HOOKED();
   for (const int64_t target : hwy::SupportedAndGeneratedTargets()) {
     hwy::SetSupportedTargetsForTest(target);
     for (const DType dtype : {DType::kF32, DType::kF16, DType::kQ8_0}) {
