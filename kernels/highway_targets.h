@@ -17,4 +17,32 @@
 #error "define HWY_WANT_AVX3_DL for every unit (CMakeLists.txt does): see kernels/highway_targets.h"
 #endif
 
+#include <cstdint>
+#include <vector>
+
+#include "hwy/targets.h"
+
+namespace kv::kernels {
+
+// The targets HWY_DYNAMIC_DISPATCH can pick in this build on this CPU, best first: the compiled
+// targets (HWY_TARGETS) that libhwy's CPU detection reports. Where it reports none of them, the
+// dispatch tables fall back to the static target (Highway's HWY_CHOOSE_FALLBACK), so that one is
+// returned. This happens when libhwy was built for a lower baseline than this project: Debian's
+// armhf libhwy (VFPv3, no NEON) reports only SCALAR and EMU128, and the armhf preset compiles NEON
+// alone; hwy::SupportedAndGeneratedTargets() is then empty. Tests and the perf programs enumerate
+// targets with this function instead, and hwy::SetSupportedTargetsForTest(t) works for each t.
+inline std::vector<int64_t> DispatchableTargets() {
+  std::vector<int64_t> targets = hwy::SupportedAndGeneratedTargets();
+  if (targets.empty()) targets.push_back(HWY_STATIC_TARGET);
+  return targets;
+}
+
+// The target the kernels run on now (the first of DispatchableTargets()).
+inline int64_t DispatchedTarget() {
+  const int64_t t = hwy::SupportedTargets() & HWY_TARGETS;
+  return t != 0 ? t & -t : HWY_STATIC_TARGET;
+}
+
+}  // namespace kv::kernels
+
 #endif  // KVCACHE_KERNELS_HIGHWAY_TARGETS_H_

@@ -5,15 +5,15 @@
 #include <cstdint>
 
 #include "hwy/targets.h"
+#include "kernels/highway_targets.h"
 
 namespace kvbench {
 
-// The target HWY_DYNAMIC_DISPATCH picks in the kernels: the best (lowest bit) one this CPU supports
-// among those compiled. Every unit of the project compiles the same list (HWY_TARGETS, AVX3_DL
-// included: kernels/highway_targets.h).
+// The target HWY_DYNAMIC_DISPATCH picks in the kernels: the best one this CPU supports among those
+// compiled, or the static target where libhwy reports none of them. Every unit of the project
+// compiles the same list (HWY_TARGETS, AVX3_DL included: kernels/highway_targets.h).
 inline const char* DispatchedTargetName() {
-  const int64_t t = hwy::SupportedTargets() & HWY_TARGETS;
-  return hwy::TargetName(t & -t);
+  return hwy::TargetName(kv::kernels::DispatchedTarget());
 }
 
 }  // namespace kvbench

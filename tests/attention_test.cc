@@ -38,6 +38,7 @@
 #include "hwy/tests/hwy_gtest.h"
 #include "kernels/attention_internal.h"
 #include "kernels/decode_plan.h"
+#include "kernels/highway_targets.h"
 #include "kernels/mask.h"
 #include "layouts/kv_layout.h"
 #include "layouts/quant.h"
@@ -303,16 +304,10 @@ std::string Describe(const Case& c) {
 
 // The best target of this CPU, read before any test narrows SupportedTargets (static
 // initialization runs before main).
-const int64_t g_best_target = [] {
-  const int64_t t = hwy::SupportedTargets() & HWY_TARGETS;
-  return t & -t;
-}();
+const int64_t g_best_target = kernels::DispatchedTarget();
 
-// The target the dispatcher picks now (the best supported one: the lowest bit).
-int64_t TargetBitNow() {
-  const int64_t t = hwy::SupportedTargets();
-  return t & -t;
-}
+// The target the dispatcher picks now.
+int64_t TargetBitNow() { return kernels::DispatchedTarget(); }
 
 // Whether the dispatcher picks g_best_target now.
 bool OnBestTarget() { return TargetBitNow() == g_best_target; }
@@ -496,7 +491,9 @@ void CheckCase(const Case& c, std::initializer_list<Run> given) {
 }
 
 class AttentionTest : public hwy::TestWithParamTarget {};
-HWY_TARGET_INSTANTIATE_TEST_SUITE_P(AttentionTest);
+INSTANTIATE_TEST_SUITE_P(AttentionTestGroup, AttentionTest,
+                         testing::ValuesIn(kernels::DispatchableTargets()),
+                         hwy::TestParamTargetName);
 
 std::vector<std::pair<DType, bool>> DTypeLayouts() {
   return {{DType::kF32, false},  {DType::kF32, true},   {DType::kF16, false},

@@ -18,6 +18,7 @@
 #include "hwy/aligned_allocator.h"
 #include "hwy/targets.h"
 #include "hwy/tests/hwy_gtest.h"
+#include "kernels/highway_targets.h"
 #include "layouts/quant.h"
 
 namespace kv::kernels {
@@ -505,7 +506,8 @@ TEST_P(ConvertTest, ScatterToCellsLargeBatch) {
   }
 }
 
-HWY_TARGET_INSTANTIATE_TEST_SUITE_P(ConvertTest);
+INSTANTIATE_TEST_SUITE_P(ConvertTestGroup, ConvertTest, testing::ValuesIn(DispatchableTargets()),
+                         hwy::TestParamTargetName);
 
 // A q4_0 block whose signed maximum is tiny: d = max / -8 is subnormal, 1 / d overflows, and the
 // reference (layouts/quant.h) divides instead of multiplying by inf (whose int8 cast is undefined).
@@ -519,7 +521,7 @@ TEST(ConvertDegenerateScale, Q4_0BlockWithTinyMaximum) {
   const uint8_t* codes = Q4Codes(ref.data());
   EXPECT_EQ(codes[0] & 0x0F, 0);
   for (int j = 1; j < 16; ++j) EXPECT_EQ(codes[j], 0x88) << j;
-  for (int64_t target : hwy::SupportedAndGeneratedTargets()) {
+  for (int64_t target : DispatchableTargets()) {
     hwy::SetSupportedTargetsForTest(target);
     std::vector<uint8_t> got(ref.size());
     ConvertRow(x.data(), DType::kF32, got.data(), DType::kQ4_0, 64);
@@ -548,7 +550,7 @@ TEST(ConvertDegenerateScale, NonFiniteAndHugeBlocksAreDefined) {
     RowToF32Ref(ref.data(), dt, back.data(), 128);  // inf / NaN where the scale overflowed
     std::vector<uint8_t> again_ref(ref.size());
     ConvertRowRef(back.data(), DType::kF32, again_ref.data(), dt, 128);
-    for (int64_t target : hwy::SupportedAndGeneratedTargets()) {
+    for (int64_t target : DispatchableTargets()) {
       hwy::SetSupportedTargetsForTest(target);
       std::vector<uint8_t> got(ref.size()), again(ref.size());
       ConvertRow(x.data(), DType::kF32, got.data(), dt, 128);
@@ -561,7 +563,7 @@ TEST(ConvertDegenerateScale, NonFiniteAndHugeBlocksAreDefined) {
 }
 
 TEST(ConvertTargetsTest, SeveralTargetsCompiled) {
-  const std::vector<int64_t> targets = hwy::SupportedAndGeneratedTargets();
+  const std::vector<int64_t> targets = DispatchableTargets();
   std::string names;
   for (int64_t t : targets) names += std::string(hwy::TargetName(t)) + " ";
   std::printf("convert_test targets: %s\n", names.c_str());
@@ -576,8 +578,9 @@ TEST(ConvertTargetsTest, SeveralTargetsCompiled) {
     EXPECT_LE(targets[0], HWY_AVX3);
   }
 #else
-  // On aarch64 NEON is the baseline, so Highway compiles no fallback below it (and the project
-  // leaves SVE out: CMakeLists.txt): NEON alone, which must be a SIMD target.
+  // On Arm (aarch64, and armv7 with -mfpu=neon) NEON is the baseline, so Highway compiles no
+  // fallback below it (and the project leaves SVE out: CMakeLists.txt): NEON alone, which must be
+  // a SIMD target.
   ASSERT_GE(targets.size(), 1u);
   EXPECT_NE(targets[0], HWY_SCALAR);
   EXPECT_NE(targets[0], HWY_EMU128);

@@ -17,6 +17,7 @@
 #include "gtest/gtest.h"
 #include "hwy/targets.h"
 #include "kernels/convert.h"
+#include "kernels/highway_targets.h"
 #include "layouts/kv_layout.h"
 #include "malloc_hooks.h"
 #include "test_allocator.h"
@@ -262,7 +263,7 @@ void ExpectAttendReportsScratchFailures(DType dtype, int64_t batch) {
 
 TEST(OutOfMemory, AttendScratchEveryAllocationSite) {
   KV_SKIP_UNLESS_MALLOC_HOOKED();
-  for (const int64_t target : hwy::SupportedAndGeneratedTargets()) {
+  for (const int64_t target : kernels::DispatchableTargets()) {
     hwy::SetSupportedTargetsForTest(target);
     for (const DType dtype : {DType::kF32, DType::kF16, DType::kQ8_0}) {
       for (const int64_t batch : {int64_t{1}, int64_t{3}, int64_t{16}}) {

@@ -23,6 +23,7 @@
 #include "gtest/gtest.h"
 #include "hwy/targets.h"
 #include "kernels/convert.h"
+#include "kernels/highway_targets.h"
 #include "kernels/rope.h"
 #include "layouts/kv_layout.h"
 #include "layouts/quant.h"
@@ -60,7 +61,7 @@ int64_t FirstDifference(const std::vector<uint8_t>& a, const std::vector<uint8_t
 
 template <class Fn>
 void ForEachTarget(const Fn& fn) {
-  for (int64_t target : hwy::SupportedAndGeneratedTargets()) {
+  for (int64_t target : DispatchableTargets()) {
     hwy::SetSupportedTargetsForTest(target);
     fn(hwy::TargetName(target));
   }

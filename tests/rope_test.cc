@@ -17,6 +17,7 @@
 #include "core/rope_shift.h"
 #include "gtest/gtest.h"
 #include "hwy/targets.h"
+#include "kernels/highway_targets.h"
 #include "layouts/quant.h"
 
 namespace kv::kernels {
@@ -30,11 +31,10 @@ void ForEachTarget(const std::function<void(const char*)>& fn) {
   if (!printed) {
     printed = true;
     std::printf("targets:");
-    for (int64_t target : hwy::SupportedAndGeneratedTargets())
-      std::printf(" %s", hwy::TargetName(target));
+    for (int64_t target : DispatchableTargets()) std::printf(" %s", hwy::TargetName(target));
     std::printf("\n");
   }
-  for (int64_t target : hwy::SupportedAndGeneratedTargets()) {
+  for (int64_t target : DispatchableTargets()) {
     hwy::SetSupportedTargetsForTest(target);
     fn(hwy::TargetName(target));
   }
