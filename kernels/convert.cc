@@ -13,7 +13,9 @@
 // - q8_0 / q4_0: the same f32 operations as layouts/quant.h in the same order. The product x * id
 //   goes through KeepRounded() (kernels/fp_barrier-inl.h) so that the compiler cannot contract it
 //   with the following add/sub into an FMA (GCC contracts intrinsics on FMA targets even in ISO
-//   mode), which would change codes.
+//   mode), which would change codes. armv7 NEON flushes subnormals, returns the default NaN and
+//   approximates division: the scales divide on its scalar VFP unit and the blocks that could
+//   differ take the reference (see KV_CONVERT_SIMD_NOT_IEEE).
 //
 // Memory traffic: ConvertRow reads n * src_size bytes and writes RowBytes(dst, n); nothing else.
 // No heap allocation: strided sources and row tails go through small stack buffers.
@@ -288,11 +290,49 @@ HWY_INLINE hn::Vec<DI32> AbsBits(hn::Vec<DF> v) {
   return hn::And(hn::BitCast(DI32(), v), hn::Set(DI32(), 0x7FFFFFFF));
 }
 
-// Lanes whose scale d takes the reference path: subnormal and nonzero.
-HWY_INLINE hn::Mask<DF> SubnormalScale(hn::Vec<DF> d) {
+// armv7 NEON is not IEEE: Advanced SIMD on armv7 always flushes subnormal inputs and results to
+// zero, returns the default NaN instead of propagating a NaN operand, and has no division
+// (Highway 1.0.3 divides by a reciprocal estimate and Newton steps, off by an ulp at times). The
+// scalar VFP unit is IEEE (Linux leaves its flush-to-zero and default-NaN modes off), so the few
+// operations where these differences would show run there.
+#undef KV_CONVERT_SIMD_NOT_IEEE  // defined once per target pass of this file
+#if HWY_ARCH_ARM_V7 && HWY_TARGET == HWY_NEON
+#define KV_CONVERT_SIMD_NOT_IEEE 1
+#else
+#define KV_CONVERT_SIMD_NOT_IEEE 0
+#endif
+
+// num / den rounded once, as the reference's scalar division.
+HWY_INLINE hn::Vec<DF> ExactDiv(hn::Vec<DF> num, hn::Vec<DF> den) {
+#if KV_CONVERT_SIMD_NOT_IEEE
+  // Lane by lane on VFP: once per group of blocks. GCC does not vectorize this loop for NEON
+  // without -funsafe-math-optimizations, because NEON would flush.
   const DF df;
-  const auto a = hn::Abs(d);
-  return hn::And(hn::Lt(a, hn::Set(df, 1.1754944e-38f)), hn::Gt(a, hn::Zero(df)));
+  HWY_ALIGN float n[hn::MaxLanes(DF())], q[hn::MaxLanes(DF())];
+  hn::Store(num, df, n);
+  hn::Store(den, df, q);
+  for (size_t i = 0; i < hn::Lanes(df); ++i) n[i] /= q[i];
+  return hn::Load(df, n);
+#else
+  return hn::Div(num, den);
+#endif
+}
+
+// Lanes whose scale d takes the reference path: subnormal and nonzero, where 1 / d loses precision
+// or overflows. Compared as integer bits, which no flushing changes. On a target that flushes
+// subnormals, also every |d| < 2^-110, zero included: there the fast path would read a subnormal
+// element as 0 (the block's min and max too), which is exact only if x / d rounds to the code of
+// 0 anyway. With |d| >= 2^-110 a subnormal x has |x / d| < 2^-126 * 2^110 = 2^-16, code 0 (q8_0)
+// or 8 (q4_0), as flushed. A block of zeros then takes the reference path there too.
+HWY_INLINE hn::Mask<DF> ScaleNeedsReference(hn::Vec<DF> d) {
+  const DI32 di;
+  const auto bits = AbsBits(d);
+#if KV_CONVERT_SIMD_NOT_IEEE
+  return hn::RebindMask(DF(), hn::Lt(bits, hn::Set(di, (127 - 110) << 23)));  // 2^-110
+#else
+  return hn::RebindMask(DF(), hn::And(hn::Lt(bits, hn::Set(di, 0x00800000)),  // < 2^-126
+                                      hn::Gt(bits, hn::Zero(di))));
+#endif
 }
 
 // Rounded integer-valued lanes (|t| < 2^22) to their low 8 bits: adding 1.5 * 2^23 puts t, in two's
@@ -324,8 +364,8 @@ HWY_NOINLINE void QuantizeBlockViaReference(const typename S::T* src, void* bloc
 // finite there); and the f16 bits of d.
 HWY_INLINE void StoreScales(hn::Vec<DF> d, hn::Mask<DF> reference, float* id, uint16_t* dh) {
   const DF df;
-  const auto inv = hn::IfThenElseZero(hn::Ne(d, hn::Zero(df)), hn::Div(hn::Set(df, 1.0f), d));
-  hn::Store(hn::IfThenElse(hn::Or(reference, SubnormalScale(d)),
+  const auto inv = hn::IfThenElseZero(hn::Ne(d, hn::Zero(df)), ExactDiv(hn::Set(df, 1.0f), d));
+  hn::Store(hn::IfThenElse(hn::Or(reference, ScaleNeedsReference(d)),
                            hn::Set(df, std::numeric_limits<float>::quiet_NaN()), inv),
             df, id);
   hn::StoreU(NarrowToU16(F16FromF32Soft(d)), DU16(), dh);
@@ -359,7 +399,7 @@ struct Q8Kind {
     const auto fold = [](hn::Vec<DI32> lo, hn::Vec<DI32> hi) { return PairFold(lo, hi, MaxOp()); };
     const auto amax_bits = FoldBlocks<kGroup>(0, leaf, fold);
     const auto nonfinite = hn::RebindMask(df, hn::Gt(amax_bits, hn::Set(di, 0x7F7FFFFF)));
-    StoreScales(hn::Div(hn::BitCast(df, amax_bits), hn::Set(df, 127.0f)), nonfinite, id, dh);
+    StoreScales(ExactDiv(hn::BitCast(df, amax_bits), hn::Set(df, 127.0f)), nonfinite, id, dh);
   }
 
   // The codes of the block at src, given vid = 1/d in every lane.
@@ -442,7 +482,7 @@ struct Q4Kind {
     auto m = hn::IfThenElseZero(hn::Ne(signed_max, hn::Zero(df)), signed_max);
     const auto tie = hn::And(hn::Eq(neg_lo, mm.hi), hn::Ne(mm.hi, hn::Zero(df)));
     if (!nonfinite && !hn::AllFalse(df, tie)) m = FirstOfLargestMagnitude<S>(src, count, m, tie);
-    StoreScales(hn::Div(m, hn::Set(df, -8.0f)), hn::FirstN(df, nonfinite ? kGroup : 0), id, dh);
+    StoreScales(ExactDiv(m, hn::Set(df, -8.0f)), hn::FirstN(df, nonfinite ? kGroup : 0), id, dh);
   }
 
   // For the lanes in `tie`: the block's first element whose magnitude is |m|.
@@ -634,7 +674,14 @@ void DequantQ8Row(const void* src, float* dst, int64_t n) {
   const size_t N = hn::Lanes(df);
   const auto* in = static_cast<const char*>(src);
   for (int64_t b = 0; b < n / 32; ++b, in += sizeof(BlockQ8_0), dst += 32) {
-    const auto vd = hn::Set(df, F16ToF32(BlockScale(in)));
+    const float scale = F16ToF32(BlockScale(in));
+#if KV_CONVERT_SIMD_NOT_IEEE
+    if (std::isnan(scale)) {  // the NaN's payload, as the reference's scalar product keeps it
+      for (size_t k = 0; k < 32; ++k) dst[k] = scale * static_cast<float>(Q8Codes(in)[k]);
+      continue;
+    }
+#endif
+    const auto vd = hn::Set(df, scale);
     for (size_t k = 0; k < 32; k += N) {
       const auto q = hn::PromoteTo(di, hn::LoadU(d8, Q8Codes(in) + k));
       hn::StoreU(hn::Mul(vd, hn::ConvertTo(df, q)), df, dst + k);
@@ -649,7 +696,17 @@ void DequantQ4Row(const void* src, float* dst, int64_t n) {
   const size_t N = hn::Lanes(df);
   const auto* in = static_cast<const char*>(src);
   for (int64_t b = 0; b < n / 32; ++b, in += sizeof(BlockQ4_0), dst += 32) {
-    const auto vd = hn::Set(df, F16ToF32(BlockScale(in)));
+    const float scale = F16ToF32(BlockScale(in));
+#if KV_CONVERT_SIMD_NOT_IEEE
+    if (std::isnan(scale)) {  // as in DequantQ8Row
+      for (size_t j = 0; j < 16; ++j) {
+        dst[j] = scale * static_cast<float>((Q4Codes(in)[j] & 0x0F) - 8);
+        dst[16 + j] = scale * static_cast<float>((Q4Codes(in)[j] >> 4) - 8);
+      }
+      continue;
+    }
+#endif
+    const auto vd = hn::Set(df, scale);
     const auto k8 = hn::Set(di, 8);
     for (size_t j = 0; j < 16; j += N) {
       const auto bytes = hn::BitCast(

@@ -15,6 +15,7 @@
 // compiler may contract one product into an FMA on FMA targets, which moves the result by at most
 // 2^-23 * (|x0| + |x1|) (checked in tests/rope_test.cc with that bound). Stored f16/bf16/q8_0/q4_0
 // then equal the reference whenever the f32 values do. NaN payloads may differ on F16C targets.
+// armv7 NEON flushes subnormal inputs and results to zero, which moves such a value by < 2^-126.
 //
 // No heap: tables and the row buffer live on the stack for dims and head_dim up to kStackDims;
 // wider heads use thread_local buffers that grow once.
