@@ -412,9 +412,15 @@ Status CausalCacheImpl::Load(std::span<const uint8_t> bytes, int seq, bool check
   }
   for (StreamLayer& l : sl) {
     if (!l.allocated) continue;
-    size_t row = 0, layer_bytes = 0;
-    if (!MulAdd(l.k_row + l.v_row, static_cast<size_t>(l.kv_heads), 0, &row) ||
-        !MulAdd(row, n, 0, &layer_bytes) || !r.Bytes(layer_bytes, &l.rows)) {
+    // In 64 bits: on a 32-bit machine one cell's rows of a valid shape can exceed size_t, which
+    // makes the stream truncated only if it saves a cell (then those bytes cannot be in memory).
+    // With no cell saved it is well formed, and whether the layer fits here is a question for
+    // step 2 (kOutOfMemory).
+    uint64_t row = 0, layer_bytes = 0;
+    if (__builtin_mul_overflow(uint64_t{l.k_row} + l.v_row, static_cast<uint64_t>(l.kv_heads),
+                               &row) ||
+        __builtin_mul_overflow(row, uint64_t{n}, &layer_bytes) || layer_bytes > r.left() ||
+        !r.Bytes(static_cast<size_t>(layer_bytes), &l.rows)) {
       return Truncated("the K/V rows");
     }
   }

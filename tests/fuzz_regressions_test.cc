@@ -79,7 +79,8 @@ std::unique_ptr<CausalCache> WrapSizedCache() {
   return cache;
 }
 
-// The checked count agrees with the layout wherever it fits, in both V layouts.
+// The checked count agrees with the layout wherever it fits, in both V layouts. On a 64-bit machine
+// every shape below fits; on a 32-bit one (the armhf preset) the largest do not.
 TEST(FuzzRegressions, CheckedBlockBytesAgreeWithTheLayout) {
   for (DType dt : {DType::kF32, DType::kF16, DType::kBF16, DType::kQ8_0, DType::kQ4_0}) {
     for (int32_t head_dim : {32, 64, 96, 128, 4096}) {
@@ -87,11 +88,22 @@ TEST(FuzzRegressions, CheckedBlockBytesAgreeWithTheLayout) {
         for (int32_t cells : {1, 7, 256, 1000, 65536}) {
           for (bool fastest : {false, true}) {
             if (fastest && IsQuantized(dt)) continue;
+            SCOPED_TRACE(::testing::Message() << DTypeName(dt) << " " << head_dim << " " << heads
+                                              << " " << cells << " " << fastest);
             size_t bytes = 0;
-            ASSERT_TRUE(CellBlockBytesFit(dt, head_dim, heads, cells, fastest, &bytes));
-            EXPECT_EQ(bytes, MakeCellBlockLayout(dt, head_dim, heads, cells, fastest).bytes)
-                << DTypeName(dt) << " " << head_dim << " " << heads << " " << cells << " "
-                << fastest;
+            const bool fits = CellBlockBytesFit(dt, head_dim, heads, cells, fastest, &bytes);
+            // One head's stride is below 2^31 for these shapes: only the product over the heads
+            // can exceed a 32-bit size_t, and the layout computes it wrapped there.
+            const CellBlockLayout l = MakeCellBlockLayout(dt, head_dim, heads, cells, fastest);
+            ASSERT_LT(l.head_stride, size_t{1} << 31);
+            const uint64_t want = uint64_t{l.head_stride} * static_cast<uint64_t>(heads);
+            ASSERT_EQ(fits, want <= SIZE_MAX);
+            if (sizeof(size_t) == 8) {
+              ASSERT_TRUE(fits);
+            }
+            if (fits) {
+              EXPECT_EQ(bytes, l.bytes);
+            }
           }
         }
       }
@@ -100,17 +112,20 @@ TEST(FuzzRegressions, CheckedBlockBytesAgreeWithTheLayout) {
   size_t bytes = 0;
   EXPECT_FALSE(CellBlockBytesFit(DType::kF32, kWrapHeadDim, kWrapHeads, kWrapCells, false, &bytes));
   EXPECT_FALSE(CellBlockBytesFit(DType::kF16, kWrapHeadDim, kWrapHeads, 1 << 24, true, &bytes));
-  // Just below: 2^63 bytes fit.
-  EXPECT_TRUE(
-      CellBlockBytesFit(DType::kF32, kWrapHeadDim, kWrapHeads, kWrapCells / 2, false, &bytes));
-  EXPECT_EQ(bytes, size_t{1} << 63);
+  // Just below: 2^63 bytes fit in a 64-bit size_t (not in a 32-bit one).
+  EXPECT_EQ(CellBlockBytesFit(DType::kF32, kWrapHeadDim, kWrapHeads, kWrapCells / 2, false, &bytes),
+            sizeof(size_t) == 8);
+  if (sizeof(size_t) == 8) {
+    EXPECT_EQ(bytes, uint64_t{1} << 63);
+  }
 }
 
 TEST(FuzzRegressions, LayerWhoseByteCountWrapsIsOutOfMemory) {
-  // The premise: the block's byte count is a multiple of 2^64.
+  // The premise: the block's byte count is a multiple of 2^64 (2^48 bytes per head), so it wraps
+  // to 0 in a 64-bit size_t. In a 32-bit one the head stride wraps too: every product does.
   const CellBlockLayout l =
       MakeCellBlockLayout(DType::kF32, kWrapHeadDim, kWrapHeads, kWrapCells, false);
-  ASSERT_EQ(l.head_stride, size_t{1} << 48);
+  ASSERT_EQ(uint64_t{l.head_stride}, (uint64_t{1} << 48) & SIZE_MAX);
   ASSERT_EQ(l.bytes, 0u);
 
   auto cache = WrapSizedCache();
