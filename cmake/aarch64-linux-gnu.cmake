@@ -5,16 +5,7 @@
 # libraries where multiarch put them (/lib/aarch64-linux-gnu); pointing it at the cross compiler's
 # own sysroot instead (-L /usr/aarch64-linux-gnu) pairs that loader with the multiarch libc, which
 # hangs.
-set(CMAKE_SYSTEM_NAME Linux)
+set(KVCACHE_CROSS_TRIPLE aarch64-linux-gnu)
 set(CMAKE_SYSTEM_PROCESSOR aarch64)
-set(CMAKE_C_COMPILER aarch64-linux-gnu-gcc)
-set(CMAKE_CXX_COMPILER aarch64-linux-gnu-g++)
-set(CMAKE_LIBRARY_ARCHITECTURE aarch64-linux-gnu)
-set(CMAKE_FIND_ROOT_PATH /usr/aarch64-linux-gnu /usr/lib/aarch64-linux-gnu)
-set(CMAKE_FIND_ROOT_PATH_MODE_PROGRAM NEVER)
-set(CMAKE_FIND_ROOT_PATH_MODE_LIBRARY ONLY)
-# Headers and CMake packages: the arm64 ones live under /usr/lib/aarch64-linux-gnu, the
-# architecture-independent ones (CLI11, nlohmann-json, GoogleTest's headers) under /usr.
-set(CMAKE_FIND_ROOT_PATH_MODE_INCLUDE BOTH)
-set(CMAKE_FIND_ROOT_PATH_MODE_PACKAGE BOTH)
 set(CMAKE_CROSSCOMPILING_EMULATOR qemu-aarch64)
+include(${CMAKE_CURRENT_LIST_DIR}/debian-cross.cmake)
