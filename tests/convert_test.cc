@@ -577,6 +577,10 @@ TEST(ConvertTargetsTest, SeveralTargetsCompiled) {
     ASSERT_GE(targets.size(), 1u);
     EXPECT_LE(targets[0], HWY_AVX3);
   }
+#elif HWY_ARCH_ARM_V7 && !defined(__ARM_NEON)
+  // 32-bit Arm without NEON (Debian's default armhf flags): Highway's scalar code alone.
+  ASSERT_EQ(targets.size(), 1u);
+  EXPECT_TRUE(targets[0] == HWY_SCALAR || targets[0] == HWY_EMU128) << names;
 #else
   // On Arm (aarch64, and armv7 with -mfpu=neon) NEON is the baseline, so Highway compiles no
   // fallback below it (and the project leaves SVE out: CMakeLists.txt): NEON alone, which must be
