@@ -3,12 +3,14 @@
 // shape, dtype, kind, truncation, any flipped byte, hostile fields behind a valid checksum) leaves
 // the target unchanged; files are replaced atomically; the encoder cache (shared and per sequence,
 // every input dtype, both V layouts); wrappers, an encoder child included; the growing and rotating
-// caches.
+// caches; and the same stream bytes on every machine and Highway target.
 #include "core/persistence.h"
 
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -20,7 +22,9 @@
 #include "core/crc32c.h"
 #include "decode_driver.h"
 #include "gtest/gtest.h"
+#include "hwy/targets.h"
 #include "kernels/convert.h"
+#include "kernels/highway_targets.h"
 
 namespace kv {
 namespace {
@@ -226,6 +230,95 @@ TEST(PersistenceRoundTrip, EmptyAndSharedCells) {
   ASSERT_TRUE(SaveCache(*c, &again).ok());
   EXPECT_EQ(bytes, again);
   ExpectSameFuture(d, a.get(), c.get(), 3, true, 2, 2, 4);
+}
+
+// ---- the same bytes on every machine
+// ----------------------------------------------------------------------
+
+// A stream saved on one machine loads on any other: every field has a fixed width and is little-
+// endian (core/persistence.h), and the rows are converted bit for bit as the scalar reference does
+// on every Highway target. This pins the streams of one small cache per dtype, whole and for one
+// sequence, by length and CRC32C. The constants were computed on x86-64; every compiled target
+// there, aarch64 and armv7 (.ci/arm) must give the same. A quantizer that rounds differently on
+// some target (armv7 NEON did, session 42) or a field whose width follows size_t changes them.
+// A deliberate format change updates them, and the stream version with them.
+//
+// The values are k / 4096 for 16-bit integers k from a multiplicative hash (exact in f32). One
+// token's values are scaled by 2^-124: its q8_0 and q4_0 scales are subnormal and so are some of
+// its values, which a target that flushes subnormals (armv7 NEON) must quantize as the reference
+// does.
+void PutHashedRows(Cache* cache, const std::vector<int32_t>& tokens, uint32_t salt) {
+  constexpr int kDim = 32, kHeads = 2;
+  const size_t n = tokens.size();
+  std::vector<float> k(kDim * kHeads * n), v(k.size());
+  for (size_t t = 0; t < n; ++t) {
+    const float scale = tokens[t] == 3 ? std::ldexp(1.0f, -124) : 1.0f;
+    for (size_t e = 0; e < kDim * kHeads; ++e) {
+      const uint32_t key = static_cast<uint32_t>(tokens[t] * 1000 + e) * 2 + salt;
+      const auto value = [&](uint32_t x) {
+        const int32_t code = static_cast<int32_t>((x * 2654435761u) >> 16) - 32768;
+        return static_cast<float>(code) / 4096.0f * scale;
+      };
+      k[t * kDim * kHeads + e] = value(key);
+      v[t * kDim * kHeads + e] = value(key + 7919);
+    }
+  }
+  const int64_t ni = static_cast<int64_t>(n);
+  ASSERT_TRUE(cache
+                  ->Put(MakeView(k.data(), DType::kF32, {kDim, kHeads, ni}),
+                        MakeView(v.data(), DType::kF32, {kDim, kHeads, ni}))
+                  .ok());
+}
+
+TEST(PersistenceFormat, TheSameBytesOnEveryMachineAndTarget) {
+  struct Want {
+    DType dtype;
+    size_t whole_bytes;
+    uint32_t whole_crc;
+    size_t seq_bytes;
+    uint32_t seq_crc;
+  };
+  const Want wants[] = {
+      {DType::kF32, 7388, 0x2B805377, 3204, 0xDC6FCEB7},
+      {DType::kF16, 3804, 0xEFC9613D, 1668, 0x5EBD2032},
+      {DType::kBF16, 3804, 0x26FBCF0D, 1668, 0x15EE7F8D},
+      {DType::kQ8_0, 2124, 0x48809A9C, 948, 0x0FB3A7A8},
+      {DType::kQ4_0, 1228, 0x9B24F3A1, 564, 0x20B97241},
+  };
+  for (const int64_t target : kernels::DispatchableTargets()) {
+    hwy::SetSupportedTargetsForTest(target);
+    for (const Want& want : wants) {
+      SCOPED_TRACE(std::string(DTypeName(want.dtype)) + " " + hwy::TargetName(target));
+      auto cache = NewCausalCache();
+      ASSERT_TRUE(cache->Init(want.dtype, 2, 16, 4).ok());
+      // Two sequences, interleaved: tokens are numbered across both (token 3 is the tiny one).
+      const std::vector<std::vector<int32_t>> pos = {{0, 1, 2, 0}, {3, 1, 2}};
+      const std::vector<std::vector<int32_t>> seq = {{0, 0, 0, 1}, {0, 1, 1}};
+      const std::vector<std::vector<int32_t>> tokens = {{0, 1, 2, 4}, {3, 5, 6}};
+      for (size_t b = 0; b < pos.size(); ++b) {
+        Batch batch;
+        batch.positions = pos[b];
+        batch.sequences = seq[b];
+        ASSERT_TRUE(cache->StartForward(batch, false).ok());
+        for (int layer = 0; layer < 2; ++layer) {
+          cache->SetLayer(layer);
+          PutHashedRows(cache.get(), tokens[b], static_cast<uint32_t>(layer));
+        }
+      }
+      std::vector<uint8_t> whole, one;
+      ASSERT_TRUE(SaveCache(*cache, &whole).ok());
+      ASSERT_TRUE(SaveCache(*cache, &one, 1).ok());
+      // The stream ends with the CRC32C of everything before it.
+      const auto crc = [](const std::vector<uint8_t>& s) {
+        return Crc32c(0, s.data(), s.size() - 4);
+      };
+      EXPECT_EQ(whole.size(), want.whole_bytes);
+      EXPECT_EQ(crc(whole), want.whole_crc);
+      EXPECT_EQ(one.size(), want.seq_bytes);
+      EXPECT_EQ(crc(one), want.seq_crc);
+    }
+  }
+  hwy::SetSupportedTargetsForTest(0);
 }
 
 // ---- one sequence
