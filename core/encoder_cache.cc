@@ -16,6 +16,7 @@
 //   a load parses and checks the whole stream, allocates any larger blocks into locals, and only
 //   then copies; a load also reuses blocks that are large enough (capacity only grows).
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <memory>
 #include <vector>
@@ -30,14 +31,26 @@ namespace {
 // The same bound as the causal family: a layer index is an array index.
 constexpr int kMaxLayers = 4096;
 
-bool ValidInput(const TensorView& t) {
-  if (t.data == nullptr || !IsFloatDType(t.dtype)) return false;
+// The bytes of a contiguous copy of a float tensor of shape ne: false for a dimension below 1 or
+// a count that does not fit in size_t. Views may broadcast (stride 0), so a view of a few bytes
+// can have any shape; a stream may declare any. Counted in 64 bits: a dimension of 2^32 + 8 is 8
+// in a 32-bit size_t.
+bool ContiguousBytesFit(DType dtype, const int64_t ne[4], size_t* bytes) {
+  uint64_t n = BlockBytes(dtype);
   for (int d = 0; d < 4; ++d) {
-    if (t.ne[d] < 1) return false;
+    if (ne[d] < 1 || __builtin_mul_overflow(n, static_cast<uint64_t>(ne[d]), &n)) return false;
   }
+  if (n > SIZE_MAX) return false;
+  *bytes = static_cast<size_t>(n);
   return true;
 }
 
+bool ValidInput(const TensorView& t) {
+  size_t bytes = 0;
+  return t.data != nullptr && IsFloatDType(t.dtype) && ContiguousBytesFit(t.dtype, t.ne, &bytes);
+}
+
+// Precondition: ValidInput(t), or t's shape from a stream that ReadShape accepted.
 size_t ContiguousBytes(const TensorView& t) {
   return static_cast<size_t>(NumElements(t)) * BlockBytes(t.dtype);
 }
@@ -227,7 +240,8 @@ class EncoderCacheImpl final : public EncoderCache {
     }
     if (!ValidInput(key) || !ValidInput(value)) {
       return Status::Error(Code::kInvalidArgument,
-                           "encoder: K/V must be non-null f32/f16/bf16 with positive dims");
+                           "encoder: K/V must be non-null f32/f16/bf16 with positive dims "
+                           "whose contiguous copy fits in memory");
     }
     Slot& slot = slots_[cur_slot_];
     if (static_cast<size_t>(layer_) >= slot.layers.size()) slot.layers.resize(layer_ + 1);
@@ -398,7 +412,6 @@ class EncoderCacheImpl final : public EncoderCache {
 using internal::BeginStream;
 using internal::EndStream;
 using internal::kKindEncoder;
-using internal::MulAdd;
 using internal::OpenStream;
 using internal::PutBytes;
 using internal::PutI32;
@@ -495,12 +508,10 @@ struct StreamSlot {
 bool ReadShape(Reader* r, uint8_t dtype_u8, int64_t ne[4], size_t* bytes) {
   const DType dtype = static_cast<DType>(dtype_u8);
   if (!IsValidDType(dtype) || !IsFloatDType(dtype)) return false;
-  size_t n = BlockBytes(dtype);
   for (int d = 0; d < 4; ++d) {
-    if (!r->I64(&ne[d]) || ne[d] < 1 || !MulAdd(n, static_cast<size_t>(ne[d]), 0, &n)) return false;
+    if (!r->I64(&ne[d])) return false;
   }
-  *bytes = n;
-  return true;
+  return ContiguousBytesFit(dtype, ne, bytes);
 }
 
 }  // namespace

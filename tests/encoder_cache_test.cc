@@ -379,6 +379,33 @@ TEST(EncoderCache, ConfigAndArgumentErrors) {
   EXPECT_EQ(c->StartForward(b.Get(), false).code(), Code::kInvalidArgument);
 }
 
+// Views may broadcast (stride 0), so a view of few bytes can have any shape. One whose contiguous
+// copy would not fit in size_t is rejected before anything is sized or copied: before, the byte
+// count wrapped, the cache sized its storage by the wrapped count and copied past it.
+TEST(EncoderCache, PutOfAShapeBeyondTheAddressSpaceChangesNothing) {
+  auto c = NewEncoderCache();
+  ASSERT_TRUE(c->Init(DType::kF32, 1, 16, 4).ok());
+  ASSERT_TRUE(c->StartForward(Tokens(0, 1, 0, {0}).Get(), false).ok());
+  F32Tensor small(4, 2, 2, 1.0f);
+  ASSERT_TRUE(c->Put(small.view, small.view).ok());
+  const size_t bytes = c->MemoryBytes();
+  float one = 1.0f;
+  // 4 * 2^31 * 2^31 * 2^31 * 2^2 bytes = 2^97: a multiple of 2^64, so the count wrapped to 0.
+  TensorView huge =
+      MakeView(&one, DType::kF32, {int64_t{1} << 31, int64_t{1} << 31, int64_t{1} << 31, 4});
+  for (int d = 0; d < 4; ++d) huge.nb[d] = 0;
+  // On a 32-bit machine 2^30 elements of 4 bytes already do not fit.
+  TensorView big = MakeView(&one, DType::kF32, {int64_t{1} << 30, 1, 1, 1});
+  big.nb[0] = big.nb[1] = big.nb[2] = big.nb[3] = 0;
+  EXPECT_EQ(c->Put(huge, small.view).code(), Code::kInvalidArgument);
+  EXPECT_EQ(c->Put(small.view, huge).code(), Code::kInvalidArgument);
+  if (sizeof(size_t) == 4) {
+    EXPECT_EQ(c->Put(big, big).code(), Code::kInvalidArgument);
+  }
+  EXPECT_EQ(c->MemoryBytes(), bytes);
+  EXPECT_EQ(ReadF32(c->Get().k), small.data);
+}
+
 TEST(EncoderCache, FailedAllocationChangesNothing) {
   testing::TestAllocator alloc;
   auto c = NewEncoderCache();

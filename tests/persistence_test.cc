@@ -894,32 +894,33 @@ TEST(PersistenceEncoder, FailuresLeaveTheTargetUnchanged) {
     Code code;
   };
   const Edit edits[] = {
-      {24, 1, 9, Code::kCorrupt},                  // no such dtype
-      {25, 1, 2, Code::kCorrupt},                  // per_sequence flag 2
-      {27, 1, 1, Code::kCorrupt},                  // reserved byte
-      {28, 4, 0, Code::kCorrupt},                  // no sequences
-      {28, 4, 0x7FFFFFFF, Code::kCorrupt},         // slot count disagrees
-      {28, 4, 4, Code::kCorrupt},                  // slot count disagrees
-      {32, 4, 3, Code::kCorrupt},                  // saved sequence beyond max_sequences
-      {32, 4, 0xFFFFFFFE, Code::kCorrupt},         // saved sequence -2
-      {36, 4, 0x7FFFFFFF, Code::kCorrupt},         // slots beyond the bytes
-      {40, 1, 2, Code::kCorrupt},                  // cached flag 2
-      {52, 4, 100000, Code::kCorrupt},             // too many layers
-      {52, 4, 0xFFFFFFFF, Code::kCorrupt},         // negative layer count
-      {52, 4, 5, Code::kCorrupt},                  // records then misparse
-      {56, 1, 0, Code::kCorrupt},                  // absent layer with dtypes: misparse
-      {56, 1, 2, Code::kCorrupt},                  // present flag 2
-      {57, 1, 3, Code::kCorrupt},                  // q8_0 is not an input dtype
-      {58, 1, 200, Code::kCorrupt},                // no such dtype
-      {60, 8, 0, Code::kCorrupt},                  // empty dimension
-      {60, 8, ~uint64_t{0}, Code::kCorrupt},       // negative dimension
-      {60, 8, uint64_t{1} << 62, Code::kCorrupt},  // byte count overflows
-      {68, 8, uint64_t{1} << 40, Code::kCorrupt},  // rows past the end
-      {60, 8, kEncD + 1, Code::kCorrupt},          // rows misparse
-      {92, 8, kEncD - 1, Code::kCorrupt},          // rows misparse
-      {26, 1, 1, Code::kInvalidArgument},          // a permuted-V cache's stream
-      {12, 4, 1, Code::kInvalidArgument},          // a causal stream
-      {8, 4, 2, Code::kNotSupported},              // a newer version
+      {24, 1, 9, Code::kCorrupt},                            // no such dtype
+      {25, 1, 2, Code::kCorrupt},                            // per_sequence flag 2
+      {27, 1, 1, Code::kCorrupt},                            // reserved byte
+      {28, 4, 0, Code::kCorrupt},                            // no sequences
+      {28, 4, 0x7FFFFFFF, Code::kCorrupt},                   // slot count disagrees
+      {28, 4, 4, Code::kCorrupt},                            // slot count disagrees
+      {32, 4, 3, Code::kCorrupt},                            // saved sequence beyond max_sequences
+      {32, 4, 0xFFFFFFFE, Code::kCorrupt},                   // saved sequence -2
+      {36, 4, 0x7FFFFFFF, Code::kCorrupt},                   // slots beyond the bytes
+      {40, 1, 2, Code::kCorrupt},                            // cached flag 2
+      {52, 4, 100000, Code::kCorrupt},                       // too many layers
+      {52, 4, 0xFFFFFFFF, Code::kCorrupt},                   // negative layer count
+      {52, 4, 5, Code::kCorrupt},                            // records then misparse
+      {56, 1, 0, Code::kCorrupt},                            // absent layer with dtypes: misparse
+      {56, 1, 2, Code::kCorrupt},                            // present flag 2
+      {57, 1, 3, Code::kCorrupt},                            // q8_0 is not an input dtype
+      {58, 1, 200, Code::kCorrupt},                          // no such dtype
+      {60, 8, 0, Code::kCorrupt},                            // empty dimension
+      {60, 8, ~uint64_t{0}, Code::kCorrupt},                 // negative dimension
+      {60, 8, uint64_t{1} << 62, Code::kCorrupt},            // byte count overflows
+      {60, 8, (uint64_t{1} << 32) + kEncD, Code::kCorrupt},  // kEncD in a 32-bit size_t
+      {68, 8, uint64_t{1} << 40, Code::kCorrupt},            // rows past the end
+      {60, 8, kEncD + 1, Code::kCorrupt},                    // rows misparse
+      {92, 8, kEncD - 1, Code::kCorrupt},                    // rows misparse
+      {26, 1, 1, Code::kInvalidArgument},                    // a permuted-V cache's stream
+      {12, 4, 1, Code::kInvalidArgument},                    // a causal stream
+      {8, 4, 2, Code::kNotSupported},                        // a newer version
   };
   for (const Edit& e : edits) {
     std::vector<uint8_t> h = bytes;
