@@ -1930,6 +1930,32 @@ TEST(AttendTest, MixedKVDTypesMatchTheReference) {
   EXPECT_NE(std::string(s.message()).find("multiples of 32"), std::string::npos) << s.message();
 }
 
+// Views may broadcast (stride 0), so a history of one K and one V row can declare any length. The
+// f32 copy that a mixed-dtype history needs is kOutOfMemory where it cannot fit in memory, before
+// anything is allocated. Before, its size was an unchecked product that wrapped (2^64 + 128
+// floats to 128 here), and the copy wrote far past a buffer of that size.
+TEST(AttendTest, MixedKVDTypesBeyondTheAddressSpaceAreOutOfMemory) {
+  constexpr int D = 64, Hkv = 2, Hq = 2;
+  std::vector<uint16_t> k_row(D, 0x3C00);  // f16 1.0: the f16 row, as K or as V
+  std::vector<float> v_row(D, 1.0f), q(D * Hq, 0.5f), out(q.size(), 7.0f);
+  const TensorView qv = MakeView(q.data(), DType::kF32, {D, 1, Hq});
+  TensorView ov = MakeView(out.data(), DType::kF32, {D, 1, Hq});
+  // 2^57 + 1 cells: 2^64 + 128 floats per copy, which wrapped to 128. 2^54: 2^61 floats, beyond
+  // SIZE_MAX / 16 on 64 bits.
+  for (const int64_t L : {(int64_t{1} << 57) + 1, int64_t{1} << 54, int64_t{1} << 30}) {
+    if (L == int64_t{1} << 30 && sizeof(size_t) == 8) continue;  // 2^37 floats fit on 64 bits
+    for (const bool k_is_f16 : {true, false}) {  // the K copy's count, then the V copy's
+      const TensorView f16 = MakeView(k_row.data(), DType::kF16, {D, Hkv, L});
+      const TensorView f32 = MakeView(v_row.data(), DType::kF32, {D, Hkv, L});
+      History h{k_is_f16 ? f16 : f32, k_is_f16 ? f32 : f16, TensorView{}};
+      for (TensorView* t : {&h.k, &h.v}) t->nb[1] = t->nb[2] = t->nb[3] = 0;
+      EXPECT_EQ(Attend(qv, h, AttentionParams{}, &ov).code(), Code::kOutOfMemory)
+          << L << (k_is_f16 ? " f16 K" : " f16 V");
+    }
+  }
+  for (float x : out) EXPECT_EQ(x, 7.0f);
+}
+
 // After a first call of a given shape has sized the scratch, Attend allocates nothing (decode and
 // prefill, on the calling thread; pool workers keep one thread_local buffer each the same way).
 TEST(AttendTest, NoAllocationInSteadyState) {
