@@ -1297,13 +1297,21 @@ HWY_NOINLINE void DecodeCells(const Ctx& c, int64_t h, int64_t b, int64_t g0, in
   const float* qs = q.f;
   HWY_ALIGN float s[kG][kBlockCells + kRowPad];
   const char* kbase = static_cast<const char*>(c.k.data) + static_cast<size_t>(h) * c.k.nb[1];
-  const char* vrow0 = static_cast<const char*>(c.v.data) + static_cast<size_t>(h) * c.v.nb[1] +
-                      static_cast<size_t>(c0) * c.v.nb[2];
+  // V rows of cells exist only in a plain V. A permuted V ([L, Dv, Hkv], cells fastest) has none,
+  // and this address would lie c0 head strides past its head: undefined even unread, and on a
+  // 32-bit machine it wrapped around the address space (UBSan, armhf). There vrow0 stays null
+  // and vrow(r) is null for every r: nothing to prefetch.
+  const char* vrow0 = kPermV ? nullptr
+                             : static_cast<const char*>(c.v.data) +
+                                   static_cast<size_t>(h) * c.v.nb[1] +
+                                   static_cast<size_t>(c0) * c.v.nb[2];
 
   const size_t kst = c.k.nb[2], vst = c.v.nb[2];
   const char* krow0 = kbase + static_cast<size_t>(c0) * kst;
   const auto krow = [&](int64_t r) { return krow0 + static_cast<size_t>(r) * kst; };
-  const auto vrow = [&](int64_t r) { return vrow0 + static_cast<size_t>(r) * vst; };
+  const auto vrow = [&](int64_t r) {
+    return kPermV ? vrow0 : vrow0 + static_cast<size_t>(r) * vst;
+  };
   // A cold piece asks for its first `ahead` K rows at once, then during the K pass for the rest,
   // one row's lines per row (so about `ahead` rows ahead); the K pass asks for the piece's V rows
   // not asked for yet (a permuted V is read by dimension lines: not prefetched).
