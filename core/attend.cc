@@ -103,23 +103,21 @@ Status Validate(const TensorView& q, const History& h, const AttentionParams& pa
 // of the kernels' (attn::ThreadScratch): the kernels use those while they read this copy.
 Status WidenMixedToF32(TensorView* k, TensorView* v) {
   thread_local kernels::GrowBuffer buf;
-  // Counted in 64 bits with every product checked: a view may broadcast (stride 0), so a history
-  // of a few bytes can declare any length. Each copy is bounded by SIZE_MAX / 16 floats, so the
-  // padded sum and its bytes fit in size_t.
-  const auto floats = [](const TensorView& t) {
-    uint64_t n = t.dtype == DType::kF32 ? 0 : 1;
-    for (int d = 0; d < 4 && n != 0; ++d) {
-      if (__builtin_mul_overflow(n, static_cast<uint64_t>(t.ne[d]), &n)) return UINT64_MAX;
-    }
-    return n;
+  // A history may broadcast (stride 0) and declare any length: its copy's size is counted with
+  // checked products (ContiguousBytesFit). Each copy is bounded by a quarter of the address space,
+  // so the padded sum and its bytes fit in size_t.
+  const auto copy_bytes = [](const TensorView& t, size_t* bytes) {
+    *bytes = 0;
+    return t.dtype == DType::kF32 ||
+           (ContiguousBytesFit(DType::kF32, t.ne, bytes) && *bytes <= SIZE_MAX / 4);
   };
-  const uint64_t k_count = floats(*k), v_count = floats(*v);
-  if (k_count > SIZE_MAX / 16 || v_count > SIZE_MAX / 16) {
+  size_t k_bytes = 0, v_bytes = 0;
+  if (!copy_bytes(*k, &k_bytes) || !copy_bytes(*v, &v_bytes)) {
     return Status::Error(Code::kOutOfMemory,
                          "Attend: the f32 copy of K / V of different dtypes exceeds the address "
                          "space");
   }
-  const size_t k_floats = static_cast<size_t>(k_count), v_floats = static_cast<size_t>(v_count);
+  const size_t k_floats = k_bytes / sizeof(float), v_floats = v_bytes / sizeof(float);
   // The K copy ends on a 64-byte boundary so that V's rows start aligned too.
   const size_t k_padded = (k_floats + 15) / 16 * 16;
   float* copy = buf.Reserve(k_padded + v_floats);

@@ -31,23 +31,18 @@ namespace {
 // The same bound as the causal family: a layer index is an array index.
 constexpr int kMaxLayers = 4096;
 
-// The bytes of a contiguous copy of a float tensor of shape ne: false for a dimension below 1 or
-// a count that does not fit in size_t. Views may broadcast (stride 0), so a view of a few bytes
-// can have any shape; a stream may declare any. Counted in 64 bits: a dimension of 2^32 + 8 is 8
-// in a 32-bit size_t.
-bool ContiguousBytesFit(DType dtype, const int64_t ne[4], size_t* bytes) {
-  uint64_t n = BlockBytes(dtype);
+// A shape the encoder stores: every dimension positive, and its contiguous copy's bytes (from a
+// view or a stream, neither bounded: ContiguousBytesFit) within size_t.
+bool PositiveShapeFits(DType dtype, const int64_t ne[4], size_t* bytes) {
   for (int d = 0; d < 4; ++d) {
-    if (ne[d] < 1 || __builtin_mul_overflow(n, static_cast<uint64_t>(ne[d]), &n)) return false;
+    if (ne[d] < 1) return false;
   }
-  if (n > SIZE_MAX) return false;
-  *bytes = static_cast<size_t>(n);
-  return true;
+  return ContiguousBytesFit(dtype, ne, bytes);
 }
 
 bool ValidInput(const TensorView& t) {
   size_t bytes = 0;
-  return t.data != nullptr && IsFloatDType(t.dtype) && ContiguousBytesFit(t.dtype, t.ne, &bytes);
+  return t.data != nullptr && IsFloatDType(t.dtype) && PositiveShapeFits(t.dtype, t.ne, &bytes);
 }
 
 // Precondition: ValidInput(t), or t's shape from a stream that ReadShape accepted.
@@ -511,7 +506,7 @@ bool ReadShape(Reader* r, uint8_t dtype_u8, int64_t ne[4], size_t* bytes) {
   for (int d = 0; d < 4; ++d) {
     if (!r->I64(&ne[d])) return false;
   }
-  return ContiguousBytesFit(dtype, ne, bytes);
+  return PositiveShapeFits(dtype, ne, bytes);
 }
 
 }  // namespace

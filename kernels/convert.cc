@@ -676,8 +676,8 @@ void DequantQ8Row(const void* src, float* dst, int64_t n) {
   for (int64_t b = 0; b < n / 32; ++b, in += sizeof(BlockQ8_0), dst += 32) {
     const float scale = F16ToF32(BlockScale(in));
 #if KV_CONVERT_SIMD_NOT_IEEE
-    if (std::isnan(scale)) {  // the NaN's payload, as the reference's scalar product keeps it
-      for (size_t k = 0; k < 32; ++k) dst[k] = scale * static_cast<float>(Q8Codes(in)[k]);
+    if (std::isnan(scale)) {  // the reference's scalar products keep the NaN's payload
+      DequantizeBlockQ8_0(in, dst);
       continue;
     }
 #endif
@@ -699,10 +699,7 @@ void DequantQ4Row(const void* src, float* dst, int64_t n) {
     const float scale = F16ToF32(BlockScale(in));
 #if KV_CONVERT_SIMD_NOT_IEEE
     if (std::isnan(scale)) {  // as in DequantQ8Row
-      for (size_t j = 0; j < 16; ++j) {
-        dst[j] = scale * static_cast<float>((Q4Codes(in)[j] & 0x0F) - 8);
-        dst[16 + j] = scale * static_cast<float>((Q4Codes(in)[j] >> 4) - 8);
-      }
+      DequantizeBlockQ4_0(in, dst);
       continue;
     }
 #endif

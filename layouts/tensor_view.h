@@ -42,6 +42,23 @@ inline TensorView MakeView(void* data, DType dtype, std::initializer_list<int64_
 
 inline int64_t NumElements(const TensorView& v) { return v.ne[0] * v.ne[1] * v.ne[2] * v.ne[3]; }
 
+// The bytes of a contiguous tensor of shape ne in dtype, counted in 64 bits with every product
+// checked: false for a negative dimension or a count that does not fit in size_t. Use it before
+// sizing anything from a shape that nothing bounds: a view may broadcast (stride 0), so a view of
+// a few bytes can declare any shape, and a stream any (a dimension of 2^32 + 8 is 8 in a 32-bit
+// size_t). Where it returns true, NumElements of that shape does not overflow either.
+// Precondition for quantized dtypes: ne[0] % 32 == 0.
+inline bool ContiguousBytesFit(DType dtype, const int64_t ne[4], size_t* bytes) {
+  uint64_t n = BlockBytes(dtype);
+  for (int d = 0; d < 4; ++d) {
+    const int64_t units = d == 0 ? ne[0] / BlockElems(dtype) : ne[d];
+    if (units < 0 || __builtin_mul_overflow(n, static_cast<uint64_t>(units), &n)) return false;
+  }
+  if (n > SIZE_MAX) return false;
+  *bytes = static_cast<size_t>(n);
+  return true;
+}
+
 // True when dim 0 is packed (elements, or blocks for quantized dtypes, back to back).
 inline bool HasPackedRows(const TensorView& v) { return v.nb[0] == BlockBytes(v.dtype); }
 
