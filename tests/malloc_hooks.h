@@ -37,10 +37,12 @@ inline constexpr bool kMallocHooked = KV_MALLOC_HOOKED != 0;
 // looking.
 bool MallocHooked();
 
-// Skips the calling GoogleTest test where MallocHooked() is false.
-#define KV_SKIP_UNLESS_MALLOC_HOOKED()   \
-  if (!::kv::heap_hooks::MallocHooked()) \
-  GTEST_SKIP() << "malloc is not the test's own (sanitizer, valgrind)"
+// Skips the calling GoogleTest test where MallocHooked() is false. The empty if-branch keeps a
+// following `else` of the caller from binding to this macro's `if`.
+#define KV_SKIP_UNLESS_MALLOC_HOOKED()    \
+  if (::kv::heap_hooks::MallocHooked()) { \
+  } else                                  \
+    GTEST_SKIP() << "malloc is not the test's own (sanitizer, valgrind)"
 
 // While g_counting is true, every allocation (any thread) adds one to g_allocations.
 extern std::atomic<bool> g_counting;
