@@ -9,6 +9,21 @@
 #include <cstdint>
 #include <cstring>
 
+// Every float operation of this library rounds to IEEE single precision as it goes: the quantizers
+// are bit-exact with llama.cpp's, the kernels with these references, and SoftmaxExp
+// (kernels/attention_load-inl.h) rounds to an integer by adding 1.5 * 2^23. 32-bit x86 compilers
+// default to the x87 unit, which keeps 64-bit mantissas until a value is stored (FLT_EVAL_METHOD
+// 2): built that way, the scalar quantizers picked other codes than the vector kernels, and
+// Highway's scalar target computed attention wrong by up to the outputs' size (73 of 384 tests
+// failed, session 43). The CMake build adds the flags below on 32-bit x86 (and gives them to
+// consumers of kvcache::kvcache); any other build must too. Every x86 CPU since the Pentium 4 and
+// the Athlon 64 has SSE2; x87-only ones (Quark, Vortex86) are not supported.
+#if (defined(__i386__) && !defined(__SSE2_MATH__)) || \
+    (defined(_M_IX86) && !(defined(_M_IX86_FP) && _M_IX86_FP >= 2))
+#error \
+    "kvcache on 32-bit x86 needs single-precision SSE arithmetic: compile with -msse2 -mfpmath=sse"
+#endif
+
 namespace kv {
 
 // kQ8_0 / kQ4_0: blocks of 32 elements along dim 0 with one f16 scale per block (34 and 18 bytes a
