@@ -558,6 +558,15 @@ void PrefillImpl(const Ctx& c, const ParallelForFn& pf) {
 // ---- the mask, scanned once per call
 // ---------------------------------------------------------------------------------------------
 
+// The 8 bytes StoreMaskBits wrote (lane i in bit i % 8 of byte i / 8) as one word with lane i in
+// bit i. Assembled byte by byte, not copied: on a big-endian machine (s390x) a copy put byte 0 in
+// the word's top bits, and attention read the mask of other cells. Written out, GCC makes it one
+// load on x86 (as a loop it stayed a loop).
+HWY_INLINE uint64_t LittleEndianWord(const uint8_t b[8]) {
+  return uint64_t{b[0]} | uint64_t{b[1]} << 8 | uint64_t{b[2]} << 16 | uint64_t{b[3]} << 24 |
+         uint64_t{b[4]} << 32 | uint64_t{b[5]} << 40 | uint64_t{b[6]} << 48 | uint64_t{b[7]} << 56;
+}
+
 // One mask row of L f32 or f16 elements (packed) as two bitmaps, bit j of words[j / 64]:
 // `hidden` where the element is -inf (compared as bits with its one encoding, the only one that
 // converts to -inf), `nonzero` where its bits less the sign are not zero (a value other than +-0).
@@ -576,11 +585,8 @@ HWY_INLINE void RowBits(D d, const TU* row, int64_t L, TU neg_inf, TU magnitude,
     uint8_t hb[8] = {}, zb[8] = {};
     hn::StoreMaskBits(d, hn::Eq(v, vneg_inf), hb);
     hn::StoreMaskBits(d, hn::Ne(hn::And(v, vmagnitude), hn::Zero(d)), zb);
-    uint64_t h, z;
-    std::memcpy(&h, hb, 8);
-    std::memcpy(&z, zb, 8);
-    hidden[j / 64] |= h << (j % 64);
-    nonzero[j / 64] |= z << (j % 64);
+    hidden[j / 64] |= LittleEndianWord(hb) << (j % 64);
+    nonzero[j / 64] |= LittleEndianWord(zb) << (j % 64);
   }
   for (; j < L; ++j) {
     TU bits;
