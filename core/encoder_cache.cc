@@ -405,10 +405,11 @@ class EncoderCacheImpl final : public EncoderCache {
 // ---- persistence (stream kind 4; the format and the rules are in core/persistence.h) -----------
 
 using internal::BeginStream;
+using internal::CopyElementsIn;
 using internal::EndStream;
 using internal::kKindEncoder;
 using internal::OpenStream;
-using internal::PutBytes;
+using internal::PutElements;
 using internal::PutI32;
 using internal::PutU64;
 using internal::PutU8;
@@ -470,8 +471,8 @@ Status EncoderCacheImpl::Serialize(std::vector<uint8_t>* out, int seq) const {
       if (!ls.has_view) continue;
       PutShape(out, ls.k_view);
       PutShape(out, ls.v_view);
-      PutBytes(out, ls.k, ContiguousBytes(ls.k_view));
-      PutBytes(out, ls.v, ContiguousBytes(ls.v_view));
+      PutElements(out, ls.k, ContiguousBytes(ls.k_view), ls.k_view.dtype);
+      PutElements(out, ls.v, ContiguousBytes(ls.v_view), ls.v_view.dtype);
     }
   }
   EndStream(out);
@@ -632,8 +633,8 @@ Status EncoderCacheImpl::Load(std::span<const uint8_t> bytes, int seq, bool chec
         ls.k = sl.new_k;
         ls.v = sl.new_v;
       }
-      std::memcpy(ls.k, sl.k, sl.k_bytes);
-      std::memcpy(ls.v, sl.v, sl.v_bytes);
+      CopyElementsIn(ls.k, sl.k, sl.k_bytes, sl.k_dtype);
+      CopyElementsIn(ls.v, sl.v, sl.v_bytes, sl.v_dtype);
       ls.k_view = ContiguousView(ls.k, sl.k_dtype, sl.k_ne);
       ls.v_view = ContiguousView(ls.v, sl.v_dtype, sl.v_ne);
       ls.has_view = true;

@@ -24,6 +24,7 @@ namespace kv {
 namespace {
 
 using internal::BeginStream;
+using internal::CopyElementsIn;
 using internal::EndStream;
 using internal::kHeaderBytes;
 using internal::kKindCausal;
@@ -35,11 +36,13 @@ using internal::LoadU32;
 using internal::MulAdd;
 using internal::OpenStream;
 using internal::PutBytes;
+using internal::PutElements;
 using internal::PutI32;
 using internal::PutU32;
 using internal::PutU64;
 using internal::PutU8;
 using internal::Reader;
+using internal::SwapToOrFromStreamOrder;
 using internal::Truncated;
 
 // ---- files --------------------------------------------------------------------------------------
@@ -203,11 +206,11 @@ void CopyRowsOut(const CellBlockLayout& l, const void* block, int32_t cell, size
   const char* base = static_cast<const char*>(block);
   for (int32_t h = 0; h < l.kv_heads; ++h) {
     if (!l.cells_fastest) {
-      PutBytes(out, base + CellRowOffset(l, cell, h), row);
+      PutElements(out, base + CellRowOffset(l, cell, h), row, l.dtype);
     } else {
       const size_t e = BlockBytes(l.dtype);
       for (int32_t d = 0; d < l.head_dim; ++d)
-        PutBytes(out, base + CellsFastestOffset(l, cell, h, d), e);
+        PutElements(out, base + CellsFastestOffset(l, cell, h, d), e, l.dtype);
     }
   }
 }
@@ -218,7 +221,7 @@ void CopyRowsIn(const CellBlockLayout& l, void* block, int32_t cell, size_t row,
   for (int32_t h = 0; h < l.kv_heads; ++h) {
     if (!l.cells_fastest) {
       if (in != nullptr) {
-        std::memcpy(base + CellRowOffset(l, cell, h), in + h * row, row);
+        CopyElementsIn(base + CellRowOffset(l, cell, h), in + h * row, row, l.dtype);
       } else {
         std::memset(base + CellRowOffset(l, cell, h), 0, row);
       }
@@ -227,7 +230,7 @@ void CopyRowsIn(const CellBlockLayout& l, void* block, int32_t cell, size_t row,
       for (int32_t d = 0; d < l.head_dim; ++d) {
         char* dst = base + CellsFastestOffset(l, cell, h, d);
         if (in != nullptr) {
-          std::memcpy(dst, in + h * row + d * e, e);
+          CopyElementsIn(dst, in + h * row + d * e, e, l.dtype);
         } else {
           std::memset(dst, 0, e);
         }
@@ -687,8 +690,8 @@ Status SaveSequenceCache(const SequenceCache& cache, std::vector<uint8_t>* out) 
     PutI32(out, v);
   PutU64(out, s.keys.size());
   PutU64(out, s.values.size());
-  PutBytes(out, s.keys.data(), s.keys.size());
-  PutBytes(out, s.values.data(), s.values.size());
+  PutElements(out, s.keys.data(), s.keys.size(), s.dtype);
+  PutElements(out, s.values.data(), s.values.size(), s.dtype);
   EndStream(out);
   return Status::Ok();
 }
@@ -731,6 +734,8 @@ Status LoadSequenceCache(std::span<const uint8_t> bytes, SequenceCache* cache) {
   if (!r.Bytes(kb, &kp) || !r.Bytes(vb, &vp)) return Truncated("the rows");
   s.keys.assign(kp, kp + kb);
   s.values.assign(vp, vp + vb);
+  SwapToOrFromStreamOrder(s.keys.data(), s.keys.size(), s.dtype);
+  SwapToOrFromStreamOrder(s.values.data(), s.values.size(), s.dtype);
   return cache->RestoreState(s);
 }
 

@@ -3,7 +3,7 @@
 // are llama.cpp's session / sequence-state files and MLX's prompt-cache files; unlike both, every
 // load is validated in full before anything changes, and a checksum covers every byte.
 //
-// Stream format, version 1 (every integer little-endian, no implicit padding):
+// Stream format, version 1 (every integer and every K/V value little-endian, no implicit padding):
 //   offset 0   char[8] magic "KVCACHE\0"
 //          8   u32 version (1)
 //         12   u32 kind: 1 causal family (CausalCache), 2 growing/rotating (SequenceCache),

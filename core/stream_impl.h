@@ -4,6 +4,8 @@
 #ifndef KVCACHE_CORE_STREAM_IMPL_H_
 #define KVCACHE_CORE_STREAM_IMPL_H_
 
+#include <algorithm>
+#include <bit>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -13,6 +15,7 @@
 #include "core/crc32c.h"
 #include "core/persistence.h"
 #include "core/status.h"
+#include "layouts/dtype.h"
 
 namespace kv::internal {
 
@@ -31,6 +34,33 @@ inline void PutBytes(std::vector<uint8_t>* out, const void* p, size_t n) {
   const size_t at = out->size();
   out->resize(at + n);
   std::memcpy(out->data() + at, p, n);
+}
+// K/V data in the stream are little-endian like its integers: an f32 as 4 bytes, an f16 or bf16 as
+// 2, a q8_0 / q4_0 block as its f16 scale's 2 bytes and then its code bytes. The cache holds them
+// in the machine's order. This converts `n` bytes of whole elements (blocks) of `dtype` between the
+// two, in place, either way: nothing on a little-endian machine, each value's bytes reversed on a
+// big-endian one (s390x), so that a stream saved there loads anywhere and the other way round.
+inline void SwapToOrFromStreamOrder(void* data, size_t n, DType dtype) {
+  if constexpr (std::endian::native != std::endian::little) {
+    uint8_t* bytes = static_cast<uint8_t*>(data);
+    const size_t unit = BlockBytes(dtype);
+    const size_t value = dtype == DType::kF32 ? 4 : 2;  // f16, bf16, or a block's f16 scale
+    for (size_t at = 0; at + unit <= n; at += unit) std::reverse(bytes + at, bytes + at + value);
+  } else {
+    (void)data, (void)n, (void)dtype;
+  }
+}
+// PutBytes of K/V data: n bytes of whole elements (blocks) of `dtype`, in the stream's order.
+inline void PutElements(std::vector<uint8_t>* out, const void* p, size_t n, DType dtype) {
+  const size_t at = out->size();
+  PutBytes(out, p, n);
+  SwapToOrFromStreamOrder(out->data() + at, n, dtype);
+}
+// The other way: n bytes of K/V data from the stream into the cache's storage, in its order.
+inline void CopyElementsIn(void* dst, const uint8_t* stream, size_t n, DType dtype) {
+  if (n == 0) return;
+  std::memcpy(dst, stream, n);
+  SwapToOrFromStreamOrder(dst, n, dtype);
 }
 inline void PutU8(std::vector<uint8_t>* out, uint8_t v) { out->push_back(v); }
 inline void PutU32(std::vector<uint8_t>* out, uint32_t v) {

@@ -235,32 +235,38 @@ TEST(PersistenceRoundTrip, EmptyAndSharedCells) {
 // ---- the same bytes on every machine
 // ----------------------------------------------------------------------
 
-// A stream saved on one machine loads on any other: every field has a fixed width and is little-
-// endian (core/persistence.h), and the rows are converted bit for bit as the scalar reference does
-// on every Highway target. This pins the streams of one small cache per dtype, whole and for one
-// sequence, by length and CRC32C. The constants were computed on x86-64; every compiled target
-// there, aarch64 and armv7 (.ci/arm) must give the same. A quantizer that rounds differently on
-// some target (armv7 NEON did, session 42) or a field whose width follows size_t changes them.
-// A deliberate format change updates them, and the stream version with them.
+// A stream saved on one machine loads on any other: every field and every K/V value has a fixed
+// width and is little-endian (core/persistence.h), and the rows are converted bit for bit as the
+// scalar reference does on every Highway target. These tests pin the streams of small caches by
+// length and CRC32C. The constants were computed on x86-64; every compiled target there, aarch64,
+// armv7, i386 and the big-endian s390x (.ci/cross) must give the same. A quantizer that rounds
+// differently on some target (armv7 NEON did, session 42), a value written in the machine's byte
+// order (on s390x every stream kind did, session 43) or a field whose width follows size_t changes
+// them. A deliberate format change updates them, and the stream version with them.
 //
 // The values are k / 4096 for 16-bit integers k from a multiplicative hash (exact in f32). One
 // token's values are scaled by 2^-124: its q8_0 and q4_0 scales are subnormal and so are some of
 // its values, which a target that flushes subnormals (armv7 NEON) must quantize as the reference
 // does.
+float PinnedValue(uint32_t key, int32_t token) {
+  const float scale = token == 3 ? std::ldexp(1.0f, -124) : 1.0f;
+  const int32_t code = static_cast<int32_t>((key * 2654435761u) >> 16) - 32768;
+  return static_cast<float>(code) / 4096.0f * scale;
+}
+
+uint32_t StreamCrc(const std::vector<uint8_t>& stream) {  // the stream's own trailer excluded
+  return Crc32c(0, stream.data(), stream.size() - 4);
+}
+
 void PutHashedRows(Cache* cache, const std::vector<int32_t>& tokens, uint32_t salt) {
   constexpr int kDim = 32, kHeads = 2;
   const size_t n = tokens.size();
   std::vector<float> k(kDim * kHeads * n), v(k.size());
   for (size_t t = 0; t < n; ++t) {
-    const float scale = tokens[t] == 3 ? std::ldexp(1.0f, -124) : 1.0f;
     for (size_t e = 0; e < kDim * kHeads; ++e) {
       const uint32_t key = static_cast<uint32_t>(tokens[t] * 1000 + e) * 2 + salt;
-      const auto value = [&](uint32_t x) {
-        const int32_t code = static_cast<int32_t>((x * 2654435761u) >> 16) - 32768;
-        return static_cast<float>(code) / 4096.0f * scale;
-      };
-      k[t * kDim * kHeads + e] = value(key);
-      v[t * kDim * kHeads + e] = value(key + 7919);
+      k[t * kDim * kHeads + e] = PinnedValue(key, tokens[t]);
+      v[t * kDim * kHeads + e] = PinnedValue(key + 7919, tokens[t]);
     }
   }
   const int64_t ni = static_cast<int64_t>(n);
@@ -308,17 +314,84 @@ TEST(PersistenceFormat, TheSameBytesOnEveryMachineAndTarget) {
       std::vector<uint8_t> whole, one;
       ASSERT_TRUE(SaveCache(*cache, &whole).ok());
       ASSERT_TRUE(SaveCache(*cache, &one, 1).ok());
-      // The stream ends with the CRC32C of everything before it.
-      const auto crc = [](const std::vector<uint8_t>& s) {
-        return Crc32c(0, s.data(), s.size() - 4);
-      };
       EXPECT_EQ(whole.size(), want.whole_bytes);
-      EXPECT_EQ(crc(whole), want.whole_crc);
+      EXPECT_EQ(StreamCrc(whole), want.whole_crc);
       EXPECT_EQ(one.size(), want.seq_bytes);
-      EXPECT_EQ(crc(one), want.seq_crc);
+      EXPECT_EQ(StreamCrc(one), want.seq_crc);
     }
   }
   hwy::SetSupportedTargetsForTest(0);
+}
+
+// The same for the growing cache (SaveSequenceCache), per dtype: 6 tokens of 2 heads x 32, in one
+// Update, token 3 the tiny one. Its rows reach the stream by other code than the causal family's.
+TEST(PersistenceFormat, SequenceCacheStreamsAreTheSameBytesEverywhere) {
+  const std::pair<DType, uint32_t> wants[] = {
+      {DType::kF32, 0xD4B60364},  {DType::kF16, 0x649663F7},  {DType::kBF16, 0xDAD8D3E8},
+      {DType::kQ8_0, 0xF0E50A16}, {DType::kQ4_0, 0x072AA39E},
+  };
+  constexpr int kDim = 32, kTokens = 6, kHeads = 2;
+  std::vector<float> k(kDim * kTokens * kHeads), v(k.size());
+  for (int h = 0; h < kHeads; ++h) {
+    for (int t = 0; t < kTokens; ++t) {
+      for (int d = 0; d < kDim; ++d) {
+        const size_t i = (static_cast<size_t>(h) * kTokens + t) * kDim + d;  // [dim, token, head]
+        const uint32_t key = static_cast<uint32_t>((t * 1000 + h * kDim + d) * 2);
+        k[i] = PinnedValue(key, t);
+        v[i] = PinnedValue(key + 7919, t);
+      }
+    }
+  }
+  for (const int64_t target : kernels::DispatchableTargets()) {
+    hwy::SetSupportedTargetsForTest(target);
+    for (const auto& [dtype, want_crc] : wants) {
+      SCOPED_TRACE(std::string(DTypeName(dtype)) + " " + hwy::TargetName(target));
+      auto cache = NewKVCache(dtype);
+      TensorView ko, vo;
+      ASSERT_TRUE(cache
+                      ->Update(MakeView(k.data(), DType::kF32, {kDim, kTokens, kHeads, 1}),
+                               MakeView(v.data(), DType::kF32, {kDim, kTokens, kHeads, 1}), kTokens,
+                               &ko, &vo)
+                      .ok());
+      std::vector<uint8_t> stream;
+      ASSERT_TRUE(SaveSequenceCache(*cache, &stream).ok());
+      EXPECT_EQ(StreamCrc(stream), want_crc);
+    }
+  }
+  hwy::SetSupportedTargetsForTest(0);
+}
+
+// And for the encoder, which stores K/V in the float dtype each Put gave: three layers of f32,
+// f16 and bf16 K and V in three pairings, 2 heads x 32 x 3 image tokens each.
+TEST(PersistenceFormat, EncoderStreamsAreTheSameBytesEverywhere) {
+  constexpr int kDim = 32, kHeads = 2, kImage = 3, kN = kDim * kHeads * kImage;
+  const DType pairs[3][2] = {
+      {DType::kF32, DType::kF16}, {DType::kF16, DType::kBF16}, {DType::kBF16, DType::kF32}};
+  auto cache = NewEncoderCache();
+  ASSERT_TRUE(cache->Init(DType::kF16, 1, 16, 4).ok());
+  const int32_t pos[1] = {0}, seq[1] = {0}, multimodal[1] = {0};
+  ASSERT_TRUE(cache->StartForward(Batch{pos, seq, multimodal}, false).ok());
+  std::vector<uint8_t> k(kN * 4), v(kN * 4);  // room for f32
+  for (int layer = 0; layer < 3; ++layer) {
+    for (int side = 0; side < 2; ++side) {
+      const DType dtype = pairs[layer][side];
+      std::vector<uint8_t>& bytes = side == 0 ? k : v;
+      for (int i = 0; i < kN; ++i) {
+        const int32_t token = i / (kDim * kHeads);
+        const float x = PinnedValue(static_cast<uint32_t>((layer * 1000 + i) * 2 + side), token);
+        StoreFromF32(bytes.data(), dtype, i, x);
+      }
+    }
+    cache->SetLayer(layer);
+    ASSERT_TRUE(cache
+                    ->Put(MakeView(k.data(), pairs[layer][0], {kDim, kHeads, kImage}),
+                          MakeView(v.data(), pairs[layer][1], {kDim, kHeads, kImage}))
+                    .ok());
+  }
+  std::vector<uint8_t> stream;
+  ASSERT_TRUE(SaveCache(*cache, &stream).ok());
+  EXPECT_EQ(stream.size(), 3336u);
+  EXPECT_EQ(StreamCrc(stream), 0xBA1D3B39u);
 }
 
 // ---- one sequence
