@@ -14,12 +14,12 @@
 #include <vector>
 
 #include "core/cache.h"
-#include "core/crc32c.h"
 #include "core/kvcache_c.h"
 #include "core/kvcache_c_interop.h"
 #include "core/persistence.h"
 #include "core/sequence_cache.h"
 #include "fuzz_common.h"
+#include "stream_edit.h"
 
 namespace {
 
@@ -181,12 +181,7 @@ void Damage(Reader& r, std::vector<uint8_t>* bytes) {
       (*bytes)[at] = r.U8();
     }
   }
-  if (r.OneIn(2) && bytes->size() >= 28) {
-    const uint64_t total = bytes->size();
-    std::memcpy(bytes->data() + 16, &total, 8);
-    const uint32_t crc = kv::Crc32c(0, bytes->data(), bytes->size() - 4);
-    std::memcpy(bytes->data() + bytes->size() - 4, &crc, 4);
-  }
+  if (r.OneIn(2) && bytes->size() >= 28) kvfuzz::ResealStream(bytes);
 }
 
 void FuzzCausal(Reader& r, bool wrapper, bool via_c) {

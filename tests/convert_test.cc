@@ -581,13 +581,16 @@ TEST(ConvertTargetsTest, SeveralTargetsCompiled) {
   // 32-bit Arm without NEON (Debian's default armhf flags): Highway's scalar code alone.
   ASSERT_EQ(targets.size(), 1u);
   EXPECT_TRUE(targets[0] == HWY_SCALAR || targets[0] == HWY_EMU128) << names;
-#else
+#elif HWY_ARCH_ARM
   // On Arm (aarch64, and armv7 with -mfpu=neon) NEON is the baseline, so Highway compiles no
   // fallback below it (and the project leaves SVE out: CMakeLists.txt): NEON alone, which must be
   // a SIMD target.
   ASSERT_GE(targets.size(), 1u);
   EXPECT_NE(targets[0], HWY_SCALAR);
   EXPECT_NE(targets[0], HWY_EMU128);
+#else
+  // Elsewhere (s390x: Highway 1.0.3 has no vector target there) the scalar code may be all.
+  ASSERT_GE(targets.size(), 1u);
 #endif
 }
 

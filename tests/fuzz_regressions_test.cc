@@ -6,12 +6,12 @@
 #include <vector>
 
 #include "core/cache.h"
-#include "core/crc32c.h"
 #include "core/persistence.h"
 #include "gtest/gtest.h"
 #include "kernels/convert.h"
 #include "layouts/kv_layout.h"
 #include "layouts/quant.h"
+#include "stream_edit.h"
 
 namespace kv {
 namespace {
@@ -153,14 +153,12 @@ TEST(FuzzRegressions, StreamWithAWrappingLayerShapeLeavesTheTargetUnchanged) {
   constexpr size_t kLayers = 64, kLayer0 = 68;
   ASSERT_EQ(bytes[kLayers], 0);
   bytes[kLayers] = 1;
-  uint8_t record[16] = {1, 0, 0, 0};
-  const int32_t fields[3] = {kWrapHeadDim, kWrapHeadDim, kWrapHeads};
-  std::memcpy(record + 4, fields, sizeof(fields));
-  bytes.insert(bytes.begin() + kLayer0, record, record + 16);
-  const uint64_t total = bytes.size();
-  std::memcpy(bytes.data() + 16, &total, 8);
-  const uint32_t crc = Crc32c(0, bytes.data(), bytes.size() - 4);
-  std::memcpy(bytes.data() + bytes.size() - 4, &crc, 4);
+  const uint8_t allocated[16] = {1};
+  bytes.insert(bytes.begin() + kLayer0, allocated, allocated + 16);
+  kvfuzz::StoreLittleEndian(&bytes, kLayer0 + 4, kWrapHeadDim, 4);  // k_head_dim
+  kvfuzz::StoreLittleEndian(&bytes, kLayer0 + 8, kWrapHeadDim, 4);  // v_head_dim
+  kvfuzz::StoreLittleEndian(&bytes, kLayer0 + 12, kWrapHeads, 4);
+  kvfuzz::ResealStream(&bytes);
 
   auto target = WrapSizedCache();
   ASSERT_NE(target, nullptr);

@@ -25,10 +25,13 @@
 #include "hwy/targets.h"
 #include "kernels/convert.h"
 #include "kernels/highway_targets.h"
+#include "stream_edit.h"
 
 namespace kv {
 namespace {
 
+using kvfuzz::ResealStream;
+using kvfuzz::StoreLittleEndian;
 using testing::AllCacheKinds;
 using testing::CacheKind;
 using testing::Driver;
@@ -474,16 +477,6 @@ class PersistenceFailure : public ::testing::Test {
     before_ = Fingerprint(*target_);
   }
   void ExpectUnchanged() { EXPECT_EQ(Fingerprint(*target_), before_); }
-  // Rewrites the total and checksum after an edit, so only the field checks can catch it.
-  static void Reseal(std::vector<uint8_t>* b) {
-    const uint64_t total = b->size();
-    for (int i = 0; i < 8; ++i) (*b)[16 + i] = static_cast<uint8_t>(total >> (8 * i));
-    const uint32_t crc = Crc32c(0, b->data(), b->size() - 4);
-    for (int i = 0; i < 4; ++i) (*b)[b->size() - 4 + i] = static_cast<uint8_t>(crc >> (8 * i));
-  }
-  static void Set32(std::vector<uint8_t>* b, size_t off, uint32_t v) {
-    for (int i = 0; i < 4; ++i) (*b)[off + i] = static_cast<uint8_t>(v >> (8 * i));
-  }
   Driver d_;
   std::unique_ptr<CausalCache> src_, target_;
   std::vector<uint8_t> bytes_, before_;
@@ -579,8 +572,8 @@ TEST_F(PersistenceFailure, HostileFieldsBehindAValidChecksum) {
   };
   for (const Edit& e : edits) {
     std::vector<uint8_t> b = bytes_;
-    Set32(&b, e.off, e.value);
-    Reseal(&b);
+    StoreLittleEndian(&b, e.off, e.value, 4);
+    ResealStream(&b);
     const Status s = LoadCache(b, target_.get());
     EXPECT_EQ(s.code(), e.code) << "offset " << e.off << " value " << e.value << ": "
                                 << s.message();
@@ -590,8 +583,8 @@ TEST_F(PersistenceFailure, HostileFieldsBehindAValidChecksum) {
   const size_t bits0 = kCell0 + 8 * n;
   for (uint32_t v : {0u, 4u}) {
     std::vector<uint8_t> b = bytes_;
-    Set32(&b, bits0, v);
-    Reseal(&b);
+    StoreLittleEndian(&b, bits0, v, 4);
+    ResealStream(&b);
     EXPECT_EQ(LoadCache(b, target_.get()).code(), Code::kCorrupt) << v;
   }
   ExpectUnchanged();
@@ -609,7 +602,7 @@ TEST_F(PersistenceFailure, RandomMutationsNeverBreakTheTarget) {
       b[at] = static_cast<uint8_t>(rng());
     }
     if (rng() % 8 == 0) b.resize(24 + rng() % (b.size() - 24));
-    if (b.size() >= 28) Reseal(&b);
+    if (b.size() >= 28) ResealStream(&b);
     auto t = MakeInit(AllCacheKinds()[0], DType::kQ8_0);
     ASSERT_TRUE(d_.Prefill(t.get(), 1, 0, 3).ok());
     const Status s = LoadCache(b, t.get());
@@ -873,14 +866,6 @@ TEST(PersistenceEncoder, OneSequence) {
   ExpectSameEncoders(s.get(), t.get(), 3);
   EXPECT_EQ(LoadCache(whole, t.get()).code(), Code::kInvalidArgument);     // 3 vs 5 sequences
   EXPECT_EQ(LoadCache(whole, s.get(), 1).code(), Code::kInvalidArgument);  // whole + seq
-}
-
-// Rewrites the total and checksum after an edit, so only the field checks can catch it.
-void ResealStream(std::vector<uint8_t>* b) {
-  const uint64_t total = b->size();
-  for (int i = 0; i < 8; ++i) (*b)[16 + i] = static_cast<uint8_t>(total >> (8 * i));
-  const uint32_t crc = Crc32c(0, b->data(), b->size() - 4);
-  for (int i = 0; i < 4; ++i) (*b)[b->size() - 4 + i] = static_cast<uint8_t>(crc >> (8 * i));
 }
 
 // A test allocator that fails once its budget of allocations is spent.
