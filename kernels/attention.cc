@@ -559,12 +559,18 @@ void PrefillImpl(const Ctx& c, const ParallelForFn& pf) {
 // ---------------------------------------------------------------------------------------------
 
 // The 8 bytes StoreMaskBits wrote (lane i in bit i % 8 of byte i / 8) as one word with lane i in
-// bit i. Assembled byte by byte, not copied: on a big-endian machine (s390x) a copy put byte 0 in
-// the word's top bits, and attention read the mask of other cells. Written out, GCC makes it one
-// load on x86 (as a loop it stayed a loop).
+// bit i. A copy on a little-endian machine; on a big-endian one (s390x) a copy puts byte 0 in the
+// word's top bits, and attention read the mask of other cells, so there it is assembled byte by
+// byte. (Assembled everywhere, GCC split x86's mask registers into bytes and joined them again.)
 HWY_INLINE uint64_t LittleEndianWord(const uint8_t b[8]) {
-  return uint64_t{b[0]} | uint64_t{b[1]} << 8 | uint64_t{b[2]} << 16 | uint64_t{b[3]} << 24 |
-         uint64_t{b[4]} << 32 | uint64_t{b[5]} << 40 | uint64_t{b[6]} << 48 | uint64_t{b[7]} << 56;
+  uint64_t word;
+  if constexpr (std::endian::native == std::endian::little) {
+    std::memcpy(&word, b, 8);
+  } else {
+    word = 0;
+    for (int i = 0; i < 8; ++i) word |= static_cast<uint64_t>(b[i]) << (8 * i);
+  }
+  return word;
 }
 
 // One mask row of L f32 or f16 elements (packed) as two bitmaps, bit j of words[j / 64]:
