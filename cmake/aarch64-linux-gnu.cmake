@@ -1,5 +1,5 @@
 # Cross-compiling for 64-bit Arm Linux on an x86-64 Debian host (the `aarch64` presets,
-# `.ci/arm aarch64`): Debian's cross compiler (g++-aarch64-linux-gnu), the arm64 builds of the
+# `.ci/cross aarch64`): Debian's cross compiler (g++-aarch64-linux-gnu), the arm64 builds of the
 # dependencies installed side by side with the host's (multiarch: dpkg --add-architecture arm64;
 # libhwy-dev:arm64, ...), and the tests run under qemu-user. qemu finds the arm64 loader and
 # libraries where multiarch put them (/lib/aarch64-linux-gnu); pointing it at the cross compiler's

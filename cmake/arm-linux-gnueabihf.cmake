@@ -1,5 +1,5 @@
 # Cross-compiling for 32-bit Arm Linux (armv7-a, hard float, NEON) on an x86-64 Debian host (the
-# `armhf` presets, `.ci/arm armhf`): Debian's cross compiler (g++-arm-linux-gnueabihf), the armhf
+# `armhf` presets, `.ci/cross armhf`): Debian's cross compiler (g++-arm-linux-gnueabihf), the armhf
 # builds of the dependencies installed side by side with the host's (multiarch), and the tests run
 # under qemu-user, as for aarch64 (cmake/aarch64-linux-gnu.cmake). This is the 32-bit edge target
 # (Cortex-A7/A9/A53 boards on a 32-bit OS): size_t and pointers are 32 bits wide, which the x86-64

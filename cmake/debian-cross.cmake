@@ -1,7 +1,8 @@
-# The part of the cross toolchain files (cmake/aarch64-linux-gnu.cmake,
-# cmake/arm-linux-gnueabihf.cmake) that every Debian multiarch target shares. The including file
-# sets KVCACHE_CROSS_TRIPLE (the GNU triple: Debian's compiler prefix and multiarch directory),
-# CMAKE_SYSTEM_PROCESSOR and CMAKE_CROSSCOMPILING_EMULATOR first.
+# The part of the cross toolchain files (cmake/aarch64-linux-gnu.cmake, arm-linux-gnueabihf.cmake,
+# i686-linux-gnu.cmake, s390x-linux-gnu.cmake) that every Debian multiarch target shares. The
+# including file sets KVCACHE_CROSS_TRIPLE (the GNU triple: Debian's compiler prefix and multiarch
+# directory), CMAKE_SYSTEM_PROCESSOR and, where the host cannot run the binaries itself,
+# CMAKE_CROSSCOMPILING_EMULATOR first.
 set(CMAKE_SYSTEM_NAME Linux)
 set(CMAKE_C_COMPILER ${KVCACHE_CROSS_TRIPLE}-gcc)
 set(CMAKE_CXX_COMPILER ${KVCACHE_CROSS_TRIPLE}-g++)
