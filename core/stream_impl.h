@@ -15,7 +15,7 @@
 #include "core/crc32c.h"
 #include "core/persistence.h"
 #include "core/status.h"
-#include "layouts/dtype.h"
+#include "layouts/quant.h"
 
 namespace kv::internal {
 
@@ -41,14 +41,11 @@ inline void PutBytes(std::vector<uint8_t>* out, const void* p, size_t n) {
 // two, in place, either way: nothing on a little-endian machine, each value's bytes reversed on a
 // big-endian one (s390x), so that a stream saved there loads anywhere and the other way round.
 inline void SwapToOrFromStreamOrder(void* data, size_t n, DType dtype) {
-  if constexpr (std::endian::native != std::endian::little) {
-    uint8_t* bytes = static_cast<uint8_t*>(data);
-    const size_t unit = BlockBytes(dtype);
-    const size_t value = dtype == DType::kF32 ? 4 : 2;  // f16, bf16, or a block's f16 scale
-    for (size_t at = 0; at + unit <= n; at += unit) std::reverse(bytes + at, bytes + at + value);
-  } else {
-    (void)data, (void)n, (void)dtype;
-  }
+  if constexpr (std::endian::native == std::endian::little) return;
+  uint8_t* bytes = static_cast<uint8_t*>(data);
+  const size_t unit = BlockBytes(dtype);  // an element, or a quantized block
+  const size_t value = IsQuantized(dtype) ? kQuantScaleBytes : unit;
+  for (size_t at = 0; at + unit <= n; at += unit) std::reverse(bytes + at, bytes + at + value);
 }
 // PutBytes of K/V data: n bytes of whole elements (blocks) of `dtype`, in the stream's order.
 inline void PutElements(std::vector<uint8_t>* out, const void* p, size_t n, DType dtype) {
