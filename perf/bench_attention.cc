@@ -1,6 +1,7 @@
 // Attention benchmarks. Every figure is a ratio to a baseline measured in the same run:
 //   decode:  effective bandwidth (bytes of K+V read / time) as a fraction of the read bandwidth of
-//            a plain sum over a 256 MiB buffer with the same thread count; q8_0 vs f16 per call.
+//            a plain sum over a 256 MiB buffer with the same thread count; flops (4 * L * Hq * D)
+//            against the measured FMA peak (frac_fma, see DecodeFlops); q8_0 vs f16 per call.
 //   prefill: GFLOP/s (4 * B * L * Hq * D flops, all cells visible) against the measured FMA peak
 //            (independent FMA chains on the best Highway target) with the same thread count.
 //   side by side (decode, f16, D 128, 4096 cells, 1 thread): the scalar double reference, the
@@ -137,6 +138,26 @@ double FmaPeak(int threads) {
   return best;
 }
 
+// FmaPeak, sampled again after a benchmark's calls: the best of both, on the same machine.
+double SampledFmaPeak(kv::ThreadPool& pool) {
+  double peak = FmaPeak(pool.NumThreads());
+  for (int rep = 0; rep < 5; ++rep) peak = std::max(peak, FmaPeakRun(pool));
+  return peak;
+}
+
+// The arithmetic of one decode row over L cells: per cell and query head, q.k and p.v take 2 * D
+// multiply-adds (4 * D flops), whatever the dtype. Against the FMA peak (frac_fma), a call shows
+// how close it runs to its arithmetic limit: where f16's frac_fma is high and its frac_rd is not,
+// decode is bound by arithmetic, not memory, and q8_0's halved bytes buy little.
+// A bound for q8_0's default passes: its V pass does f16's FMAs; its K pass takes 3 vpdpbusd per
+// 64 products (the query in 24 bits) where f32 takes 4 FMAs, and vpdpbusd issues on the FMA pipes
+// (bench_pipes: a Zen 4 runs one 512-bit FMA or vpdpbusd per cycle between them). So q8_0 reaches
+// at most 1 / (0.5 + 0.5 * 3 / 4) = 1.14 of the peak's flops before any conversion, softmax or
+// scale, and is 1.5x faster than f16 only where f16's frac_fma is below 1.14 / 1.5 = 0.76.
+double DecodeFlops(int D, int Hkv, int G, int L) {
+  return 4.0 * static_cast<double>(D) * Hkv * G * L;
+}
+
 // The read-bandwidth baseline, interleaved with the kernel's calls so that both see the same
 // machine: a plain sum over a 256 MiB buffer, 32 MiB slice by slice (each slice split over the
 // pool's threads); Next() times one slice and returns its bytes per second. The best slice of a
@@ -250,7 +271,8 @@ void BM_Decode(benchmark::State& state) {
   const int L = static_cast<int>(state.range(1));
   const bool q8 = state.range(2) != 0;
   const int threads = static_cast<int>(state.range(3));
-  Setup s = MakeSetup(q8 ? kv::DType::kQ8_0 : kv::DType::kF16, D, 8, 4, L, 1, true);
+  constexpr int Hkv = 8, G = 4;
+  Setup s = MakeSetup(q8 ? kv::DType::kQ8_0 : kv::DType::kF16, D, Hkv, G, L, 1, true);
   kv::ThreadPool pool(threads);
   ReadSlicer slicer(&pool);
   kv::AttentionParams p;
@@ -276,6 +298,7 @@ void BM_Decode(benchmark::State& state) {
   state.counters["GBps"] = bw * 1e-9;
   state.counters["read_GBps"] = best_read * 1e-9;
   state.counters["frac_rd"] = bw / best_read;
+  state.counters["frac_fma"] = DecodeFlops(D, Hkv, G, L) / best / SampledFmaPeak(pool);
   auto key = std::make_tuple(D, L, threads);
   if (!q8) {
     F16Times()[key] = best;
@@ -326,6 +349,9 @@ void BM_DecodeQ8VsF16Interleaved(benchmark::State& state) {
   }
   const char* names[4] = {"q8", "q8intv", "q8intk", "q8intkv"};
   state.counters["f16_us"] = best_f16 * 1e6;
+  const double peak = SampledFmaPeak(pool), flops = DecodeFlops(D, 8, 4, L);
+  state.counters["f16_frac_fma"] = flops / best_f16 / peak;
+  state.counters["q8_frac_fma"] = flops / best_q8[0] / peak;
   for (int i = 0; i < 4; ++i) {
     state.counters[std::string(names[i]) + "_us"] = best_q8[i] * 1e6;
     state.counters[std::string(names[i]) + "_vs_f16"] = best_f16 / best_q8[i];
