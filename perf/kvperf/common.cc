@@ -11,6 +11,7 @@
 #include <limits>
 #include <string>
 
+#include "fma_peak.h"
 #include "kernels/convert.h"
 #include "kvperf/kvperf.h"
 #include "read_bandwidth.h"
@@ -43,6 +44,7 @@ void GenRow(Kind kind, int layer, int head, uint64_t token, int head_dim, int32_
 
 // The measurement itself is shared with the microbenchmarks (perf/read_bandwidth.h).
 double MeasureReadBandwidth(kv::ThreadPool* pool) { return kvbench::MeasureReadBandwidth(pool); }
+double MeasureFmaPeak(kv::ThreadPool* pool) { return kvbench::MeasureFmaPeak(*pool, 20); }
 
 std::string CpuName() {
   // The model name alone does not tell the machines apart: the Zen 4 and Zen 5 VMs both say
@@ -407,7 +409,8 @@ kv::Status Engine::Forward(const std::vector<int>& seq, const std::vector<int32_
 
 // ---- JSON summaries ----------------------------------------------------------------------------
 
-nlohmann::json PhaseJson(const PhaseStats& p, const Shape& shape, double read_bw, bool decode) {
+nlohmann::json PhaseJson(const PhaseStats& p, const Shape& shape, double read_bw, double fma_peak,
+                         bool decode) {
   nlohmann::json j;
   const double total = p.Total();
   j["tokens"] = p.tokens;
@@ -422,6 +425,10 @@ nlohmann::json PhaseJson(const PhaseStats& p, const Shape& shape, double read_bw
   const double flops = p.visible_pairs * shape.q_heads * 4.0 * shape.head_dim;
   j["attention_gflop"] = flops * 1e-9;
   j["attention_gflop_per_s"] = p.attend_s > 0 ? flops / p.attend_s * 1e-9 : 0;
+  // Against the FMA peak measured beside the run: how close attention runs to its arithmetic
+  // limit (f16 and q8_0 do these flops in FMAs or in integer dots that issue on the same pipes).
+  j["attention_fraction_of_fma_peak"] =
+      p.attend_s > 0 && fma_peak > 0 ? flops / p.attend_s / fma_peak : 0;
   if (decode) {
     const double bw = p.attend_s > 0 ? p.attn_bytes / p.attend_s : 0;
     j["attention_bytes"] = p.attn_bytes;

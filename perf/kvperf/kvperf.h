@@ -76,6 +76,8 @@ void GenRow(Kind kind, int layer, int head, uint64_t token, int head_dim, int32_
 // ---- machine baseline ------------------------------------------------------------------------
 // Best of 5 passes of a plain sum over a 256 MiB buffer, split over `pool` like Attend's work.
 double MeasureReadBandwidth(kv::ThreadPool* pool);
+// The FMA peak with the pool's threads (flop/s): the best of 20 runs of about 10 ms.
+double MeasureFmaPeak(kv::ThreadPool* pool);
 std::string CpuName();
 
 // ---- progress on stderr ------------------------------------------------------------------------
@@ -175,7 +177,8 @@ struct Options {
 struct RunContext {
   Options opt;
   kv::ThreadPool* pool = nullptr;
-  double read_bw = 0;  // bytes/s
+  double read_bw = 0;   // bytes/s
+  double fma_peak = 0;  // flop/s, measured beside read_bw (perf/fma_peak.h)
   Clock::time_point t0;
 };
 
@@ -195,8 +198,9 @@ nlohmann::json RunContextShift(RunContext& ctx, kv::DType dtype,
 nlohmann::json RunSweep(RunContext& ctx, kv::DType dtype, const std::vector<int>& contexts,
                         std::vector<std::string>* failures);
 
-// Figures common to the phase summaries.
-nlohmann::json PhaseJson(const PhaseStats& p, const Shape& shape, double read_bw, bool decode);
+// Figures common to the phase summaries; read_bw and fma_peak are the run's baselines.
+nlohmann::json PhaseJson(const PhaseStats& p, const Shape& shape, double read_bw, double fma_peak,
+                         bool decode);
 nlohmann::json CheckJson(const CheckStats& c, kv::DType dtype, const char* what,
                          std::vector<std::string>* failures);
 

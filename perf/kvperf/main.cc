@@ -146,14 +146,21 @@ std::string Fixed2(double v) { return Fmt("%.2f", v); }
 Row ReadBandwidthRow() {
   return NumberRow("read bandwidth measured before this run", Gbs, {"read_bandwidth_bytes_per_s"});
 }
+std::string Gflops(double flop_per_s) { return Fmt("%.1f GFLOP/s", flop_per_s * 1e-9); }
+Row FmaPeakRow() {
+  return NumberRow("FMA peak measured before this run", Gflops, {"fma_peak_flop_per_s"});
+}
 Row CacheBytesRow(const char* label) { return NumberRow(label, Bytes, {"cache_bytes_allocated"}); }
 
 std::vector<Row> PhaseRows(const std::string& prefill_label, const std::string& decode_label) {
   return {
       ReadBandwidthRow(),
+      FmaPeakRow(),
       NumberRow(prefill_label, Rate, {"prefill", "tokens_per_s"}),
       NumberRow("  Attend share of prefill time", Pct, {"prefill", "attend_share"}),
       NumberRow("  prefill attention GFLOP/s", Fixed1, {"prefill", "attention_gflop_per_s"}),
+      NumberRow("    as a fraction of the FMA peak", Fixed2,
+                {"prefill", "attention_fraction_of_fma_peak"}),
       NumberRow(decode_label, Rate, {"decode", "tokens_per_s"}),
       NumberRow("  Attend share of decode time", Pct, {"decode", "attend_share"}),
       // Shared cells serve every sequence's query rows: the flops per byte read rise with sharing.
@@ -164,6 +171,8 @@ std::vector<Row> PhaseRows(const std::string& prefill_label, const std::string& 
                                 D(j, {"decode", "attention_bytes"})) +
                 ")";
        }},
+      NumberRow("    as a fraction of the FMA peak", Fixed2,
+                {"decode", "attention_fraction_of_fma_peak"}),
       NumberRow("decode attention read (K+V bytes / Attend time)", Gbs,
                 {"decode", "attention_bytes_per_s"}),
       NumberRow("  as a fraction of read bandwidth", Fixed2,
@@ -522,6 +531,7 @@ int main(int argc, char** argv) {
   const std::string cpu = CpuName();
   Progress("measuring read bandwidth (sum over 256 MiB, %d threads)", threads);
   ctx.read_bw = MeasureReadBandwidth(&pool);
+  ctx.fma_peak = MeasureFmaPeak(&pool);
 
   json report;
   const char* attention_target = kvbench::DispatchedTargetName();
@@ -539,15 +549,17 @@ int main(int argc, char** argv) {
                                     ? "weights"
                                     : "codes";
   const char* q8_k_pass = variants.integer_k ? "integer dot products (24-bit query)" : "f32";
-  report["machine"] = {{"cpu", cpu},
-                       {"attention_highway_target", attention_target},
-                       {"decode_prefetch", prefetch_level},
-                       {"decode_quant_v_scaling", quant_v_scaling},
-                       {"decode_q8_0_k_pass", q8_k_pass},
-                       {"threads", threads},
-                       {"hardware_threads", std::thread::hardware_concurrency()},
-                       {"read_bandwidth_bytes_per_s", ctx.read_bw},
-                       {"read_bandwidth_method", "best of 5 sums over a 256 MiB buffer"}};
+  report["machine"] = {
+      {"cpu", cpu},
+      {"attention_highway_target", attention_target},
+      {"decode_prefetch", prefetch_level},
+      {"decode_quant_v_scaling", quant_v_scaling},
+      {"decode_q8_0_k_pass", q8_k_pass},
+      {"threads", threads},
+      {"hardware_threads", std::thread::hardware_concurrency()},
+      {"read_bandwidth_bytes_per_s", ctx.read_bw},
+      {"read_bandwidth_method", "best of 5 sums over a 256 MiB buffer"},
+      {"fma_peak_method", "best of 20 runs of independent FMA chains, ~10 ms each, every thread"}};
   const Shape& sh = opt.shape;
   report["model"] = {{"layers", sh.layers},
                      {"q_heads", sh.q_heads},
@@ -570,6 +582,7 @@ int main(int argc, char** argv) {
     if (!first_run) {
       Progress("measuring read bandwidth (sum over 256 MiB, %d threads)", threads);
       ctx.read_bw = MeasureReadBandwidth(&pool);
+      ctx.fma_peak = MeasureFmaPeak(&pool);
       bws.push_back(ctx.read_bw);
     }
     first_run = false;
@@ -579,6 +592,7 @@ int main(int argc, char** argv) {
       measure();
       json r = fns.at(name)(ctx, d, &failures);
       r["read_bandwidth_bytes_per_s"] = ctx.read_bw;
+      r["fma_peak_flop_per_s"] = ctx.fma_peak;
       results[name].push_back(r);
     }
   }

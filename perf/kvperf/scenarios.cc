@@ -161,8 +161,8 @@ json WorkloadJson(const RunContext& ctx, const Workload& w, const WorkloadResult
   out["prompt"] = w.C;
   out["decode_steps"] = w.T;
   out["prefill_batch"] = w.batch;
-  out["prefill"] = PhaseJson(r.prefill, ctx.opt.shape, ctx.read_bw, false);
-  out["decode"] = PhaseJson(r.decode, ctx.opt.shape, ctx.read_bw, true);
+  out["prefill"] = PhaseJson(r.prefill, ctx.opt.shape, ctx.read_bw, ctx.fma_peak, false);
+  out["decode"] = PhaseJson(r.decode, ctx.opt.shape, ctx.read_bw, ctx.fma_peak, true);
   CheckStats all = r.prefill_check;
   all.Merge(r.decode_check);
   out["check"] = CheckJson(all, dtype, what, failures);
@@ -368,7 +368,7 @@ json RunSWAMemResume(RunContext& ctx, kv::DType dtype, std::vector<std::string>*
                     "swa-mem: resumed decode");
   }
   out = WorkloadJson(ctx, w, r, dtype, failures, "swa-mem");
-  resume_json["decode"] = PhaseJson(resumed, sh, ctx.read_bw, true);
+  resume_json["decode"] = PhaseJson(resumed, sh, ctx.read_bw, ctx.fma_peak, true);
   resume_json["check"] = CheckJson(resumed_check, dtype, "swa-mem resume", failures);
   out["resume"] = resume_json;
   out["scenario"] = "swa-mem";
@@ -440,7 +440,7 @@ json RunContextShift(RunContext& ctx, kv::DType dtype, std::vector<std::string>*
   out["sequences"] = w.S;
   out["prompt"] = w.C;
   out["removed_per_sequence"] = half;
-  out["prefill"] = PhaseJson(r.prefill, sh, ctx.read_bw, false);
+  out["prefill"] = PhaseJson(r.prefill, sh, ctx.read_bw, ctx.fma_peak, false);
   out["prefill_check"] = CheckJson(r.prefill_check, dtype, "shift prefill", failures);
   out["remove_seconds"] = remove_s;
   const double rotated = static_cast<double>(w.S) * (w.C - half) * sh.layers;
@@ -451,7 +451,7 @@ json RunContextShift(RunContext& ctx, kv::DType dtype, std::vector<std::string>*
   out["remove_bytes_read_and_written"] = 2 * kbytes;
   out["remove_fraction_of_read_bw"] =
       remove_s > 0 && ctx.read_bw > 0 ? 2 * kbytes / remove_s / ctx.read_bw : 0;
-  out["decode"] = PhaseJson(dec, sh, ctx.read_bw, true);
+  out["decode"] = PhaseJson(dec, sh, ctx.read_bw, ctx.fma_peak, true);
   out["decode_check"] = CheckJson(dec_check, dtype, "shift decode (re-rotated keys)", failures);
   out["cache_bytes_allocated"] = cache->MemoryBytes();
   return out;
@@ -524,8 +524,8 @@ json RunEncoderDecoder(RunContext& ctx, kv::DType dtype, std::vector<std::string
   out["encoder_dtype"] = "f16 (stored as given)";
   out["sequences"] = S;
   out["prompt"] = kPrompt;
-  out["prefill"] = PhaseJson(prefill, sh, ctx.read_bw, false);
-  out["decode"] = PhaseJson(dec, sh, ctx.read_bw, true);
+  out["prefill"] = PhaseJson(prefill, sh, ctx.read_bw, ctx.fma_peak, false);
+  out["decode"] = PhaseJson(dec, sh, ctx.read_bw, ctx.fma_peak, true);
   out["check"] = CheckJson(check, dtype, "encdec", failures);
   const std::vector<size_t> child = cache->ChildMemoryBytes();
   out["cache_bytes_encoder"] = child[0];
