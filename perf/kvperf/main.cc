@@ -559,6 +559,7 @@ int main(int argc, char** argv) {
       {"hardware_threads", std::thread::hardware_concurrency()},
       {"read_bandwidth_bytes_per_s", ctx.read_bw},
       {"read_bandwidth_method", "best of 5 sums over a 256 MiB buffer"},
+      {"fma_peak_flop_per_s", ctx.fma_peak},
       {"fma_peak_method", "best of 20 runs of independent FMA chains, ~10 ms each, every thread"}};
   const Shape& sh = opt.shape;
   report["model"] = {{"layers", sh.layers},
