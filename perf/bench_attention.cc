@@ -87,6 +87,9 @@ double DecodeFlops(int D, int Hkv, int G, int L) {
   return 4.0 * static_cast<double>(D) * Hkv * G * L;
 }
 
+// The decode shape, with the flops counted from it: 32 query heads over 8 KV heads.
+constexpr int kDecodeHkv = 8, kDecodeG = 4;
+
 // The read-bandwidth baseline, interleaved with the kernel's calls so that both see the same
 // machine: a plain sum over a 256 MiB buffer, 32 MiB slice by slice (each slice split over the
 // pool's threads); Next() times one slice and returns its bytes per second. The best slice of a
@@ -200,8 +203,7 @@ void BM_Decode(benchmark::State& state) {
   const int L = static_cast<int>(state.range(1));
   const bool q8 = state.range(2) != 0;
   const int threads = static_cast<int>(state.range(3));
-  constexpr int Hkv = 8, G = 4;
-  Setup s = MakeSetup(q8 ? kv::DType::kQ8_0 : kv::DType::kF16, D, Hkv, G, L, 1, true);
+  Setup s = MakeSetup(q8 ? kv::DType::kQ8_0 : kv::DType::kF16, D, kDecodeHkv, kDecodeG, L, 1, true);
   kv::ThreadPool pool(threads);
   ReadSlicer slicer(&pool);
   kv::AttentionParams p;
@@ -227,7 +229,8 @@ void BM_Decode(benchmark::State& state) {
   state.counters["GBps"] = bw * 1e-9;
   state.counters["read_GBps"] = best_read * 1e-9;
   state.counters["frac_rd"] = bw / best_read;
-  state.counters["frac_fma"] = DecodeFlops(D, Hkv, G, L) / best / SampledFmaPeak(pool);
+  state.counters["frac_fma"] =
+      DecodeFlops(D, kDecodeHkv, kDecodeG, L) / best / SampledFmaPeak(pool);
   auto key = std::make_tuple(D, L, threads);
   if (!q8) {
     F16Times()[key] = best;
@@ -248,8 +251,8 @@ void BM_DecodeQ8VsF16Interleaved(benchmark::State& state) {
   const int D = static_cast<int>(state.range(0));
   const int L = static_cast<int>(state.range(1));
   const int threads = static_cast<int>(state.range(2));
-  Setup f16 = MakeSetup(kv::DType::kF16, D, 8, 4, L, 1, true);
-  Setup q8 = MakeSetup(kv::DType::kQ8_0, D, 8, 4, L, 1, true);
+  Setup f16 = MakeSetup(kv::DType::kF16, D, kDecodeHkv, kDecodeG, L, 1, true);
+  Setup q8 = MakeSetup(kv::DType::kQ8_0, D, kDecodeHkv, kDecodeG, L, 1, true);
   kv::ThreadPool pool(threads);
   kv::AttentionParams p;
   (void)kv::Attend(f16.qv, f16.hist, p, &f16.ov, &pool);
@@ -278,7 +281,7 @@ void BM_DecodeQ8VsF16Interleaved(benchmark::State& state) {
   }
   const char* names[4] = {"q8", "q8intv", "q8intk", "q8intkv"};
   state.counters["f16_us"] = best_f16 * 1e6;
-  const double peak = SampledFmaPeak(pool), flops = DecodeFlops(D, 8, 4, L);
+  const double peak = SampledFmaPeak(pool), flops = DecodeFlops(D, kDecodeHkv, kDecodeG, L);
   state.counters["f16_frac_fma"] = flops / best_f16 / peak;
   state.counters["q8_frac_fma"] = flops / best_q8[0] / peak;
   for (int i = 0; i < 4; ++i) {
@@ -744,7 +747,7 @@ void BM_Prefill(benchmark::State& state) {
     (void)kv::Attend(s.qv, s.hist, p, &s.ov, &pool);
     best = std::min(best, Seconds(t0, Clock::now()));
     state.PauseTiming();
-    for (int rep = 0; rep < 5; ++rep) peak = std::max(peak, FmaPeakRun(pool));  // same machine
+    peak = std::max(peak, SampledFmaPeak(pool));  // same machine
     state.ResumeTiming();
   }
   const double flops = 4.0 * B * L * Hkv * G * D;

@@ -21,7 +21,7 @@
 namespace {
 
 #if KVCACHE_BENCH_PIPES
-// The instruction mixes, as the first operand list of each loop iteration.
+// What one iteration of the loop issues (BM_Pipes' argument, in this order).
 enum class Mix { kFma, kDpbusd, kCvtph2ps, kFmaAndDpbusd, kTwoFmasPerCvt };
 
 // 12 chains of 512-bit operations for `iters` iterations; returns instructions issued.
